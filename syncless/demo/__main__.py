@@ -1,0 +1,5 @@
+import sys
+
+from syncless.cli import main
+
+sys.exit(main(["demo", *sys.argv[1:]]))

@@ -1,0 +1,61 @@
+"""``syncless demo``: argument parsing and the entry point of every rank."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from syncless.demo.config import PRESETS, add_config_arguments, config_from_args
+from syncless.demo.launch import launch, strip_nproc
+from syncless.errors import UsageError
+from syncless.run.rundir import default_run_dir
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--preset",
+        default="tiny",
+        help=f"model and training size: {', '.join(PRESETS)} (default: tiny)",
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=None, help="run N ranks on this machine via torchrun"
+    )
+    parser.add_argument(
+        "--run-dir", default=None, help="run directory (default: runs/<time>-<name>)"
+    )
+    parser.add_argument("--name", default=None, help="run name (default: demo-<preset>)")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no live view; print only the run directory"
+    )
+    add_config_arguments(parser)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    from syncless.demo.train import run_demo  # torch import only when training
+
+    cfg = config_from_args(args)  # validates the preset before anything starts
+    name = args.name or f"demo-{args.preset}"
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+        cfg.validate(world_size=args.nproc)
+        run_dir = args.run_dir or str(default_run_dir(name))
+        code = launch(args.nproc, [*strip_nproc(argv), "--run-dir", run_dir, "--name", name])
+        if code == 0 and args.quiet:
+            print(run_dir)
+        return code
+    cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    result = run_demo(cfg, run_dir=args.run_dir, name=name, quiet=args.quiet)
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    if is_main:
+        if args.quiet:
+            print(result.run_dir)
+        else:
+            first, last = result.losses[0][1], result.losses[-1][1]
+            print(
+                f"loss {first:.3f} -> {last:.3f} over {cfg.steps} steps; run: {result.run_dir}\n"
+                f'query it: syncless query {result.run_dir} "SELECT * FROM metrics LIMIT 10"',
+                file=sys.stderr,
+            )
+    return 0

@@ -1,0 +1,153 @@
+"""Demo configuration: presets and command-line overrides for every knob."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+from syncless.errors import UsageError
+
+
+@dataclass
+class DemoConfig:
+    # model
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    n_experts: int = 4
+    top_k: int = 2
+    expert_hidden: int = 128
+    shared_expert: bool = True
+    aux_loss_coef: float = 0.01
+    # data and optimisation
+    seq_len: int = 64
+    batch_size: int = 8  # sequences per rank per step; the global batch is batch_size * world
+    steps: int = 200
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    seed: int = 0
+    corpus_mb: float = 4.0
+    # parallelism and execution
+    expert_parallel: bool = False
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
+    # output
+    log_every: int = 1
+    flush_interval_s: float = 10.0
+
+    def validate(self, world_size: int = 1) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise UsageError(msg)
+
+        for name in _POSITIVE:
+            need(getattr(self, name) > 0, f"--{_flag(name)} must be > 0, got {getattr(self, name)}")
+        need(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        need(
+            self.d_model % self.n_heads == 0,
+            f"--d-model ({self.d_model}) must be divisible by --n-heads ({self.n_heads})",
+        )
+        need(
+            (self.d_model // self.n_heads) % 2 == 0,
+            f"the head size d_model/n_heads = {self.d_model // self.n_heads} must be even (RoPE)",
+        )
+        need(
+            1 <= self.top_k <= self.n_experts,
+            f"--top-k ({self.top_k}) must be between 1 and --n-experts ({self.n_experts})",
+        )
+        need(
+            self.device in ("auto", "cpu", "cuda"),
+            f"--device must be auto, cpu or cuda, got {self.device!r}",
+        )
+        need(
+            self.dtype in ("auto", "fp32", "bf16"),
+            f"--dtype must be auto, fp32 or bf16, got {self.dtype!r}",
+        )
+        need(self.corpus_mb > 0, f"--corpus-mb must be > 0, got {self.corpus_mb}")
+        if self.expert_parallel:
+            need(
+                self.n_experts % world_size == 0,
+                f"--expert-parallel shards {self.n_experts} experts over {world_size} ranks, "
+                f"but {self.n_experts} is not divisible by {world_size}: choose --n-experts "
+                f"as a multiple of the number of ranks (e.g. {world_size * max(1, self.n_experts // world_size)})",
+            )
+
+
+_POSITIVE = (
+    "n_layers", "d_model", "n_heads", "n_experts", "top_k", "expert_hidden", "seq_len",
+    "batch_size", "steps", "lr", "log_every", "flush_interval_s",
+)  # fmt: skip
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # seconds on 2 CPU cores
+    "tiny": {},
+    # a few minutes on CPU
+    "small": dict(
+        n_layers=4,
+        d_model=192,
+        n_heads=6,
+        n_experts=8,
+        top_k=2,
+        expert_hidden=384,
+        seq_len=128,
+        batch_size=16,
+        steps=300,
+        lr=2e-3,
+        warmup_steps=30,
+        corpus_mb=8.0,
+    ),
+    # the GPU benchmark workload of later issues
+    "large": dict(
+        n_layers=24,
+        d_model=1024,
+        n_heads=16,
+        n_experts=8,
+        top_k=2,
+        expert_hidden=2048,
+        seq_len=1024,
+        batch_size=8,
+        steps=100,
+        lr=3e-4,
+        warmup_steps=20,
+        corpus_mb=32.0,
+        log_every=10,
+    ),
+}
+
+
+def preset(name: str, **overrides: Any) -> DemoConfig:
+    """The named preset with ``overrides`` applied."""
+    if name not in PRESETS:
+        raise UsageError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    return dataclasses.replace(DemoConfig(**PRESETS[name]), **overrides)
+
+
+def _flag(field_name: str) -> str:
+    return field_name.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per DemoConfig field (default: the preset's value)."""
+    group = parser.add_argument_group("model, data and training (override the preset)")
+    for f in fields(DemoConfig):
+        flag = f"--{_flag(f.name)}"
+        if f.type == "bool":
+            group.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None
+            )
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type]
+            group.add_argument(flag, dest=f.name, type=kind, default=None, metavar=f.type.upper())
+
+
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    overrides = {
+        f.name: getattr(args, f.name)
+        for f in fields(DemoConfig)
+        if getattr(args, f.name) is not None
+    }
+    return preset(args.preset, **overrides)

@@ -1,0 +1,224 @@
+"""A small decoder-only MoE transformer, written to be read.
+
+Byte-level tokens -> embedding -> N x [RMSNorm -> causal attention -> RMSNorm -> MoE]
+-> RMSNorm -> tied LM head. The MoE layer routes each token to its top-k experts
+(SwiGLU MLPs) plus an optional shared expert. Experts are dispatched by a
+``Dispatcher`` (see dispatch.py): all experts local, or sharded over ranks.
+
+Initialisation draws every parameter (and every expert slice) from its own generator
+seeded by (seed, parameter name, expert index), so a model sharded across ranks
+starts from exactly the weights of the unsharded one.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from syncless.demo.config import DemoConfig
+from syncless.demo.data import VOCAB_SIZE
+from syncless.demo.dispatch import Dispatcher, LocalDispatcher
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding for queries and keys of shape [B, H, L, Dh]."""
+
+    def __init__(self, head_dim: int, max_len: int, base: float = 10_000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[-2]
+        cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with separate q, k, v projections."""
+
+    def __init__(self, d_model: int, n_heads: int, max_len: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.q_proj = nn.Linear(d_model, d_model, bias=False)
+        self.k_proj = nn.Linear(d_model, d_model, bias=False)
+        self.v_proj = nn.Linear(d_model, d_model, bias=False)
+        self.o_proj = nn.Linear(d_model, d_model, bias=False)
+        self.rotary = Rotary(self.head_dim, max_len)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, seq, d = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, seq, self.n_heads, self.head_dim).transpose(1, 2)
+
+        q = self.rotary(heads(self.q_proj(x)))
+        k = self.rotary(heads(self.k_proj(x)))
+        v = heads(self.v_proj(x))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, seq, d))
+
+
+class Router(nn.Module):
+    """Softmax router: top-k experts per token and their renormalised weights."""
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(d_model, n_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, d] -> (weights [T, k], experts [T, k] int64, probs [T, E] fp32)."""
+        probs = self.gate(x).float().softmax(dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts, probs
+
+
+class Experts(nn.Module):
+    """The SwiGLU MLPs of the experts this rank owns, stacked along dim 0.
+
+    ``first_expert`` is the global index of local expert 0 (non-zero under expert
+    parallelism), used only to seed each expert's initialisation.
+    """
+
+    def __init__(self, n_local: int, d_model: int, hidden: int, first_expert: int = 0) -> None:
+        super().__init__()
+        self.first_expert = first_expert
+        self.w_gate = nn.Parameter(torch.empty(n_local, d_model, hidden))
+        self.w_up = nn.Parameter(torch.empty(n_local, d_model, hidden))
+        self.w_down = nn.Parameter(torch.empty(n_local, hidden, d_model))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [N, d] grouped by local expert, ``counts[e]`` rows each -> [N, d]."""
+        outs = []
+        for e, xe in enumerate(x.split(counts)):
+            h = F.silu(xe @ self.w_gate[e].to(xe.dtype)) * (xe @ self.w_up[e].to(xe.dtype))
+            outs.append(h @ self.w_down[e].to(xe.dtype))
+        return torch.cat(outs)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, hidden, bias=False)
+        self.w_up = nn.Linear(d_model, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class MoE(nn.Module):
+    """Top-k routed experts plus an optional shared expert.
+
+    Returns the output and a sequence-wise load-balancing loss (DeepSeek-V3 style:
+    sum_i f_i * P_i per sequence, averaged over sequences). Being a mean over
+    sequences, it is the same whether a batch is split across data-parallel ranks or
+    not, which keeps a sharded run numerically equal to a single-process one.
+    """
+
+    def __init__(self, cfg: DemoConfig, dispatcher: Dispatcher) -> None:
+        super().__init__()
+        self.n_experts = cfg.n_experts
+        self.top_k = cfg.top_k
+        self.router = Router(cfg.d_model, cfg.n_experts, cfg.top_k)
+        self.dispatcher = dispatcher
+        self.experts = Experts(
+            dispatcher.local_experts(cfg.n_experts),
+            cfg.d_model,
+            cfg.expert_hidden,
+            first_expert=dispatcher.first_local_expert(cfg.n_experts),
+        )
+        self.shared_expert = SwiGLU(cfg.d_model, cfg.expert_hidden) if cfg.shared_expert else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, seq, d = x.shape
+        flat = x.reshape(b * seq, d)
+        weights, experts, probs = self.router(flat)
+        out = self.dispatcher(flat, experts, weights, self.experts)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        return out.view(b, seq, d), self._balance_loss(experts, probs, b, seq)
+
+    def _balance_loss(
+        self, experts: torch.Tensor, probs: torch.Tensor, b: int, seq: int
+    ) -> torch.Tensor:
+        # scatter_add instead of one_hot/bincount: both of those read the max index back
+        # to the host on CUDA.
+        counts = torch.zeros(b * seq, self.n_experts, device=probs.device)
+        counts.scatter_add_(1, experts, torch.ones_like(experts, dtype=counts.dtype))
+        frac = counts.view(b, seq, -1).sum(1) * (self.n_experts / (self.top_k * seq))
+        mean_prob = probs.view(b, seq, -1).mean(1)
+        return (frac * mean_prob).sum(-1).mean()
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DemoConfig, dispatcher: Dispatcher) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.seq_len)
+        self.moe_norm = nn.RMSNorm(cfg.d_model)
+        self.moe = MoE(cfg, dispatcher)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attn(self.attn_norm(x))
+        y, balance = self.moe(self.moe_norm(x))
+        return x + y, balance
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: DemoConfig, dispatcher: Dispatcher | None = None) -> None:
+        super().__init__()
+        dispatcher = dispatcher or LocalDispatcher()
+        self.embed = nn.Embedding(VOCAB_SIZE, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, dispatcher) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, L] -> (logits [B, L, 256], mean balance loss over layers)."""
+        x = self.embed(tokens)
+        balance = x.new_zeros((), dtype=torch.float32)
+        for layer in self.layers:
+            x, layer_balance = layer(x)
+            balance = balance + layer_balance
+        logits = self.norm(x) @ self.embed.weight.t().to(x.dtype)  # tied LM head
+        return logits, balance / len(self.layers)
+
+
+def _seed_for(seed: int, name: str, index: int = 0) -> int:
+    # crc32, not hash(): Python's string hash is salted per process.
+    return (seed * 1_000_003 + zlib.crc32(f"{name}#{index}".encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_weights(model: MoETransformer, seed: int) -> None:
+    """Deterministic init, independent of construction order and expert sharding.
+
+    Normal(0, 0.02) for weights, with residual output projections scaled by
+    1/sqrt(2 * n_layers) (GPT-2); norms start at one.
+    """
+    n_layers = len(model.layers)
+    for name, p in model.named_parameters():
+        std = 0.02
+        if name.endswith(("o_proj.weight", "w_down.weight", "experts.w_down")):
+            std /= math.sqrt(2 * n_layers)
+        if "norm" in name:
+            p.fill_(1.0)
+        elif name.endswith(("experts.w_gate", "experts.w_up", "experts.w_down")):
+            first = model.get_submodule(name.rsplit(".", 1)[0]).first_expert
+            for local, slice_ in enumerate(p):
+                g = torch.Generator(p.device).manual_seed(_seed_for(seed, name, first + local))
+                slice_.normal_(0.0, std, generator=g)
+        else:
+            p.normal_(
+                0.0, std, generator=torch.Generator(p.device).manual_seed(_seed_for(seed, name))
+            )

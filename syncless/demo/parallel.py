@@ -1,0 +1,76 @@
+"""Process group setup and gradient synchronisation for the demo.
+
+Data parallel: every rank holds the dense weights and averages their gradients with
+one all_reduce over a flat buffer per step. Expert parallel: experts are sharded,
+their gradients already sum every rank's tokens through the all_to_all backward, so
+they are only divided by the world size (the global loss is the mean of the ranks'
+losses).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from syncless.run import RankInfo, rank_info
+
+
+def init_distributed(device_type: str) -> RankInfo:
+    """Join the torchrun job if there is one (NCCL on CUDA, gloo on CPU)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=5))
+    return rank_info()
+
+
+def is_expert_param(name: str) -> bool:
+    return ".experts." in name
+
+
+def sync_gradients(model: nn.Module, expert_parallel: bool) -> None:
+    """Average dense gradients across ranks; rescale sharded expert gradients."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    world = dist.get_world_size()
+    dense, sharded = [], []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        (sharded if expert_parallel and is_expert_param(name) else dense).append(p.grad)
+    if dense:
+        flat = torch.cat([g.reshape(-1) for g in dense])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        for g, synced in zip(dense, flat.split([g.numel() for g in dense]), strict=True):
+            g.copy_(synced.view_as(g))
+    if sharded:
+        torch._foreach_div_(sharded, world)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, expert_parallel: bool) -> torch.Tensor:
+    """Clip by the global gradient norm without reading it back to the host.
+
+    Under expert parallelism each rank holds different expert gradients, so their
+    squared norms are summed across ranks (one scalar all_reduce).
+    """
+    dense, sharded = [], []
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            (sharded if expert_parallel and is_expert_param(name) else dense).append(p.grad)
+    device = next(model.parameters()).device
+    sq = torch.zeros((), device=device)
+    if dense:
+        sq = sq + torch.stack(torch._foreach_norm(dense)).square().sum()
+    if sharded:
+        sharded_sq = torch.stack(torch._foreach_norm(sharded)).square().sum()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sharded_sq)
+        sq = sq + sharded_sq
+    norm = sq.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(dense + sharded, scale)
+    return norm

@@ -1,0 +1,178 @@
+"""The demo training loop: AdamW on stdlib bytes, single process or torchrun."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from rich.console import Console
+
+from syncless.demo.config import DemoConfig
+from syncless.demo.data import BatchSampler, stdlib_corpus
+from syncless.demo.dispatch import AllToAllDispatcher, LocalDispatcher
+from syncless.demo.model import MoETransformer, init_weights
+from syncless.demo.parallel import clip_grad_norm, init_distributed, sync_gradients
+from syncless.demo.progress import LiveView
+from syncless.demo.tools import DemoTool
+from syncless.run import RankInfo, Run
+
+
+@dataclass
+class DemoResult:
+    run_dir: Path
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, global loss)
+
+
+def pick_device(cfg: DemoConfig, ranks: RankInfo) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            from syncless.errors import UsageError
+
+            raise UsageError("--device cuda was asked for but torch sees no CUDA device")
+        torch.cuda.set_device(ranks.local_rank)
+        return torch.device("cuda", ranks.local_rank)
+    return torch.device("cpu")
+
+
+def _autocast(cfg: DemoConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+    if bf16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _lr_lambda(cfg: DemoConfig):
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return lr_at
+
+
+def _optimizer(model: MoETransformer, cfg: DemoConfig, device: torch.device):
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embed" in n]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), **fused)
+
+
+def run_demo(
+    cfg: DemoConfig,
+    *,
+    run_dir: str | Path | None = None,
+    name: str = "demo",
+    quiet: bool = False,
+    tools: Sequence[DemoTool] = (),
+    console: Console | None = None,
+) -> DemoResult:
+    """Train the demo model for ``cfg.steps`` steps, logging every number to a run."""
+    device_type = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
+    ranks = init_distributed(device_type)
+    try:
+        cfg.validate(ranks.world_size)
+        return _train(cfg, ranks, run_dir, name, quiet, tools, console)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(
+    cfg: DemoConfig,
+    ranks: RankInfo,
+    run_dir: str | Path | None,
+    name: str,
+    quiet: bool,
+    tools: Sequence[DemoTool],
+    console: Console | None,
+) -> DemoResult:
+    device = pick_device(cfg, ranks)
+    world = ranks.world_size
+    expert_parallel = cfg.expert_parallel and world > 1
+    dispatcher = AllToAllDispatcher() if expert_parallel else LocalDispatcher()
+    model = MoETransformer(cfg, dispatcher).to(device)
+    init_weights(model, cfg.seed)
+    optimizer = _optimizer(model, cfg, device)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    corpus = stdlib_corpus(int(cfg.corpus_mb * 2**20))
+    sampler = BatchSampler(corpus, cfg.seq_len, cfg.batch_size, ranks.rank, world, cfg.seed)
+
+    view = None
+    if ranks.is_main and not quiet:
+        view = LiveView(cfg.steps, f"syncless demo ({device.type}, {world} rank(s))", console)
+    config = {**dataclasses.asdict(cfg), "world_size": world, "device": str(device)}
+    run = Run(
+        name=name,
+        config=config,
+        run_dir=run_dir,
+        sinks=[view] if view else [],
+        flush_interval_s=cfg.flush_interval_s,
+    )
+    for tool in tools:
+        tool.attach(model, run)
+
+    result = DemoResult(run.dir)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * world
+    last_time, last_step = time.perf_counter(), -1
+    try:
+        for step in range(cfg.steps):
+            for tool in tools:
+                tool.step_begin(step)
+            inputs, targets = (t.to(device, non_blocking=True) for t in sampler.batch_at(step))
+            with _autocast(cfg, device):
+                logits, balance = model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            (loss + cfg.aux_loss_coef * balance).backward()
+            sync_gradients(model, expert_parallel)
+            grad_norm = clip_grad_norm(model, cfg.grad_clip, expert_parallel)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            lr = schedule.get_last_lr()[0]
+            schedule.step()
+            for tool in tools:
+                tool.step_end(step)
+
+            if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                # grad_norm is already global (equal on every rank), so the mean keeps it.
+                stats = torch.stack([loss.detach().float(), balance.detach().float(), grad_norm])
+                if world > 1:
+                    dist.all_reduce(stats)
+                    stats /= world
+                loss_v, balance_v, grad_norm_v = (
+                    stats.tolist()
+                )  # the demo's one read-back per logged step
+                now = time.perf_counter()
+                # Mean over the steps since the last log: a host timer per step would
+                # measure enqueue time, not device time, wherever the host runs ahead.
+                per_step_s = (now - last_time) / (step - last_step)
+                last_time, last_step = now, step
+                result.losses.append((step, loss_v))
+                run.log(
+                    step,
+                    {
+                        "demo/step/loss": loss_v,
+                        "demo/step/balance_loss": balance_v,
+                        "demo/step/grad_norm": grad_norm_v,
+                        "demo/step/lr": lr,
+                        "demo/step/step_ms": per_step_s * 1e3,
+                        "demo/step/tokens_per_s": tokens_per_step / per_step_s,
+                    },
+                )
+    finally:
+        for tool in tools:
+            tool.close()
+        run.close()
+    return result

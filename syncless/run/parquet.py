@@ -1,0 +1,153 @@
+"""Per-rank Parquet shards of step records, written by a background thread.
+
+Each batch becomes one shard ``metrics/rank<RRRRR>-<SSSSSS>.parquet``, written under a
+hidden temporary name and renamed into place. A rename is atomic on POSIX file
+systems, so a process killed at any moment (SIGKILL included) leaves only whole shards
+behind: readers glob ``*.parquet`` and never see a half-written file.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from syncless.run.records import StepRecord
+
+SCHEMA = pa.schema(
+    [
+        ("run", pa.string()),
+        ("step", pa.int64()),
+        ("rank", pa.int32()),
+        ("name", pa.string()),
+        ("value", pa.float64()),
+        ("time", pa.float64()),  # seconds since the epoch; DuckDB: to_timestamp(time)
+    ]
+)
+
+_STOP = object()
+
+
+def records_to_table(records: Sequence[StepRecord]) -> pa.Table:
+    return pa.table(
+        {
+            "run": [r.run for r in records],
+            "step": [r.step for r in records],
+            "rank": [r.rank for r in records],
+            "name": [r.name for r in records],
+            "value": [float(r.value) for r in records],
+            "time": [r.time for r in records],
+        },
+        schema=SCHEMA,
+    )
+
+
+class ParquetSink:
+    """Batches records and writes one atomic shard per batch from a background thread.
+
+    A batch is written when ``flush_interval_s`` has passed since the last shard or
+    ``max_batch`` records are waiting, and at ``flush()``/``close()``. Writing never
+    blocks the caller: ``write`` only enqueues. Errors in the writer thread are kept and
+    re-raised from the next ``write``/``flush``/``close`` so the owner can count them.
+    """
+
+    def __init__(
+        self,
+        metrics_dir: str | os.PathLike,
+        rank: int,
+        flush_interval_s: float = 10.0,
+        max_batch: int = 100_000,
+    ) -> None:
+        if flush_interval_s <= 0:
+            raise ValueError(f"flush_interval_s={flush_interval_s}: expected > 0 seconds")
+        self.dir = Path(metrics_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.flush_interval_s = flush_interval_s
+        self.max_batch = max_batch
+        self.shards_written = 0
+        self._seq = self._next_free_seq()
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"syncless-parquet-rank{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _next_free_seq(self) -> int:
+        # Resuming into an existing run directory must not overwrite earlier shards.
+        existing = [
+            int(p.stem.rsplit("-", 1)[1]) for p in self.dir.glob(f"rank{self.rank:05d}-*.parquet")
+        ]
+        return max(existing, default=0) + 1
+
+    def write(self, records: Sequence[StepRecord]) -> None:
+        self._raise_pending()
+        if self._closed:
+            raise RuntimeError("ParquetSink.write after close()")
+        if records:
+            self._queue.put(list(records))
+
+    def flush(self) -> None:
+        """Write everything enqueued so far and wait until it is on disk."""
+        self._raise_pending()
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait()
+        self._raise_pending()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join()
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"Parquet writer for rank {self.rank} failed: {err}") from err
+
+    def _run(self) -> None:
+        pending: list[StepRecord] = []
+        last = time.monotonic()
+        while True:
+            timeout = max(0.0, self.flush_interval_s - (time.monotonic() - last))
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                item = None
+            stop = item is _STOP
+            if isinstance(item, list):
+                pending.extend(item)
+            due = time.monotonic() - last >= self.flush_interval_s
+            if pending and (
+                stop or due or isinstance(item, threading.Event) or len(pending) >= self.max_batch
+            ):
+                try:
+                    self._write_shard(pending)
+                except BaseException as e:  # kept and re-raised on the caller's thread
+                    self._error = e
+                pending = []
+            if due or not pending:
+                last = time.monotonic()
+            if isinstance(item, threading.Event):
+                item.set()
+            if stop:
+                return
+
+    def _write_shard(self, records: list[StepRecord]) -> None:
+        name = f"rank{self.rank:05d}-{self._seq:06d}.parquet"
+        tmp = self.dir / f".{name}.tmp"
+        pq.write_table(records_to_table(records), tmp)
+        os.replace(tmp, self.dir / name)
+        self._seq += 1
+        self.shards_written += 1

@@ -1,0 +1,37 @@
+"""The unit every syncless subsystem emits: one named number for one step on one rank."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# area/scope/name: at least two slash-separated parts of [A-Za-z0-9_.-], e.g.
+# `monitors/layer_03/qk_logit_max` or `demo/step/loss`.
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)+$")
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One value of one metric at one step on one rank.
+
+    ``name`` is ``area/scope/name_unit`` (see ARCHITECTURE.md); ``time`` is the wall
+    clock (seconds since the epoch) when the value was produced on the host.
+    """
+
+    run: str
+    step: int
+    rank: int
+    name: str
+    value: float
+    time: float
+
+
+def check_metric_name(name: str) -> str:
+    """Return ``name`` if it is a valid ``area/scope/name`` metric name, else raise."""
+    if not _NAME_RE.match(name):
+        raise ValueError(
+            f"invalid metric name {name!r}: expected 'area/scope/name_unit' "
+            "(slash-separated parts of letters, digits, '_', '.', '-'), "
+            "e.g. 'demo/step/loss'"
+        )
+    return name
