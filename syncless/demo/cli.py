@@ -41,10 +41,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
         cfg.validate(world_size=args.nproc)
         run_dir = args.run_dir or str(default_run_dir(name))
-        code = launch(args.nproc, [*strip_nproc(argv), "--run-dir", run_dir, "--name", name])
-        if code == 0 and args.quiet:
-            print(run_dir)
-        return code
+        # Rank 0 prints the summary (or, with --quiet, the run directory) itself.
+        return launch(args.nproc, [*strip_nproc(argv), "--run-dir", run_dir, "--name", name])
     cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
     result = run_demo(cfg, run_dir=args.run_dir, name=name, quiet=args.quiet)
     is_main = int(os.environ.get("RANK", "0")) == 0
