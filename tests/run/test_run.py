@@ -39,7 +39,7 @@ def test_run_json_and_records(tmp_path):
     assert meta["world_size"] == 1
     assert {"python", "torch", "host", "git_commit"} <= set(meta["env"])
     with open_run(tmp_path / "r") as store:
-        cols, rows = store.query("SELECT step, rank, name, value, run FROM metrics ORDER BY step")
+        _, rows = store.query("SELECT step, rank, name, value, run FROM metrics ORDER BY step")
     assert rows == [(0, 0, "demo/step/loss", 2.0, "r"), (1, 0, "demo/step/loss", 1.5, "r")]
 
 

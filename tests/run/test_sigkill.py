@@ -18,12 +18,11 @@ WRITER = textwrap.dedent(
     run = Run(run_dir=sys.argv[1], flush_interval_s=0.05)
     step = 0
     while True:
-        run.log(step, {f"test/step/m{i}": step * 10 + i for i in range(%d)})
+        run.log(step, {f"test/step/m{i}": step * 10 + i for i in range(METRICS)})
         step += 1
         time.sleep(0.002)
     """
-    % METRICS_PER_STEP
-)
+).replace("METRICS", str(METRICS_PER_STEP))
 
 
 def test_sigkill_leaves_a_queryable_store(tmp_path):
