@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
-
-import duckdb
+from typing import TYPE_CHECKING, Any
 
 from syncless.errors import UsageError
 from syncless.run.parquet import SCHEMA
 from syncless.run.rundir import METRICS_DIR, read_run_json
+
+if TYPE_CHECKING:
+    import duckdb
 
 _DUCKDB_TYPES = {"string": "VARCHAR", "int64": "BIGINT", "int32": "INTEGER", "double": "DOUBLE"}
 
@@ -26,6 +27,10 @@ class RunStore:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.info: dict[str, Any] = read_run_json(self.path)
+        # Imported here: training processes write shards and never need DuckDB.
+        import duckdb
+
+        self._duckdb_error = duckdb.Error
         self.con = duckdb.connect(":memory:")
         self.con.execute(self._metrics_view_sql())
 
@@ -46,7 +51,7 @@ class RunStore:
         self.con.execute(self._metrics_view_sql())  # pick up shards written since open
         try:
             return self.con.sql(query)
-        except duckdb.Error as e:
+        except self._duckdb_error as e:
             raise UsageError(f"query failed: {e}") from None
 
     def query(self, query: str) -> tuple[list[str], list[tuple]]:
@@ -56,7 +61,7 @@ class RunStore:
             return [], []
         try:
             return list(rel.columns), rel.fetchall()
-        except duckdb.Error as e:
+        except self._duckdb_error as e:
             raise UsageError(f"query failed: {e}") from None
 
     def close(self) -> None:
