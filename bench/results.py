@@ -1,0 +1,42 @@
+"""Append one benchmark result line to bench/RESULTS.md (date, device, torch, commit)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+from pathlib import Path
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        return f"{n}x {torch.cuda.get_device_name()}"
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def commit() -> str:
+    env = os.environ.get("SYNCLESS_COMMIT")  # the device machine's copy has no .git
+    if env:
+        return env
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    return (out.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
+
+
+def append_result(bench: str, result: str, path: Path | None = None) -> str:
+    import torch
+
+    line = (
+        f"- {datetime.date.today().isoformat()} | {device_name()} | torch {torch.__version__} | "
+        f"{commit()} | {bench} | {result}"
+    )
+    target = path or Path(os.environ.get("SYNCLESS_RESULTS", RESULTS))
+    with target.open("a") as f:
+        f.write(line + "\n")
+    return line
