@@ -28,7 +28,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quiet", action="store_true", help="no live view; print only the run directory"
     )
+    tools = parser.add_argument_group("syncless tools")
+    tools.add_argument(
+        "--sync-census",
+        type=int,
+        nargs="?",
+        const=3,
+        default=None,
+        metavar="STEPS",
+        help="count every host sync in STEPS steps after step 0 (default 3): print the "
+        "per-call-site table and store guard/* records",
+    )
     add_config_arguments(parser)
+
+
+def build_tools(args: argparse.Namespace) -> list:
+    tools = []
+    if args.sync_census is not None:
+        from syncless.demo.sync_census import SyncCensusTool
+
+        if args.sync_census < 1:
+            raise UsageError(
+                f"--sync-census takes a positive number of steps, got {args.sync_census}"
+            )
+        tools.append(SyncCensusTool(steps=args.sync_census))
+    return tools
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -40,11 +64,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if args.nproc < 1:
             raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
         cfg.validate(world_size=args.nproc)
+        build_tools(args)  # reject bad tool flags before starting the ranks
         run_dir = args.run_dir or str(default_run_dir(name))
         # Rank 0 prints the summary (or, with --quiet, the run directory) itself.
         return launch(args.nproc, [*strip_nproc(argv), "--run-dir", run_dir, "--name", name])
     cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    result = run_demo(cfg, run_dir=args.run_dir, name=name, quiet=args.quiet)
+    tools = build_tools(args)
+    result = run_demo(cfg, run_dir=args.run_dir, name=name, quiet=args.quiet, tools=tools)
     is_main = int(os.environ.get("RANK", "0")) == 0
     if is_main:
         if args.quiet:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from rich.console import Console
 from torch import nn
 
 from syncless.run import Run
@@ -16,14 +17,18 @@ from syncless.run import Run
 class DemoTool(Protocol):
     name: str
 
-    def attach(self, model: nn.Module, run: Run) -> None:
-        """Once, after the model is built and before the first step."""
+    def attach(self, model: nn.Module, run: Run, console: Console) -> None:
+        """Once, after the model is built and before the first step.
+
+        ``console`` is the demo's (shared with its live view, quiet under --quiet).
+        """
 
     def step_begin(self, step: int) -> None:
         """Before the step's forward."""
 
     def step_end(self, step: int) -> None:
-        """After the optimizer step (cold path: the tool may flush and emit records)."""
+        """After the optimizer step and the step's logging (cold path: the tool may
+        flush and emit records)."""
 
     def close(self) -> None:
         """After the last step; emit final records and release hooks."""

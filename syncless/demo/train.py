@@ -66,8 +66,9 @@ def _optimizer(model: MoETransformer, cfg: DemoConfig, device: torch.device):
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), **fused)
+    # fused (CUDA and CPU): one kernel per group, and no per-parameter `.item()` of the
+    # step counter, which the foreach path does on every step.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=True)
 
 
 def run_demo(
@@ -110,6 +111,7 @@ def _train(
     corpus = stdlib_corpus(int(cfg.corpus_mb * 2**20))
     sampler = BatchSampler(corpus, cfg.seq_len, cfg.batch_size, ranks.rank, world, cfg.seed)
 
+    console = console or Console(stderr=True, quiet=quiet or not ranks.is_main)
     view = None
     if ranks.is_main and not quiet:
         view = LiveView(cfg.steps, f"syncless demo ({device.type}, {world} rank(s))", console)
@@ -122,7 +124,7 @@ def _train(
         flush_interval_s=cfg.flush_interval_s,
     )
     for tool in tools:
-        tool.attach(model, run)
+        tool.attach(model, run, console)
 
     result = DemoResult(run.dir)
     tokens_per_step = cfg.batch_size * cfg.seq_len * world
@@ -142,8 +144,6 @@ def _train(
             optimizer.zero_grad(set_to_none=True)
             lr = schedule.get_last_lr()[0]
             schedule.step()
-            for tool in tools:
-                tool.step_end(step)
 
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
                 # grad_norm is already global (equal on every rank), so the mean keeps it.
@@ -171,6 +171,8 @@ def _train(
                         "demo/step/tokens_per_s": tokens_per_step / per_step_s,
                     },
                 )
+            for tool in tools:
+                tool.step_end(step)
     finally:
         for tool in tools:
             tool.close()

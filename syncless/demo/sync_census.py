@@ -1,0 +1,56 @@
+"""``syncless demo --sync-census N``: count every host sync in N steps of the demo."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from torch import nn
+
+from syncless.guard import Census, census
+from syncless.run import Run
+
+
+class SyncCensusTool:
+    """Runs ``syncless.guard.census()`` around steps ``first .. first + steps - 1``.
+
+    Step 0 is skipped by default: it holds one-time work (optimizer state creation,
+    lazy initialisation) that says little about the steady state. The census covers
+    the whole step, including the loss read-back of a logged step, prints its table
+    (rank 0) and sends its records to the run store (every rank).
+    """
+
+    name = "sync-census"
+
+    def __init__(self, steps: int = 3, first: int = 1) -> None:
+        if steps < 1:
+            raise ValueError(f"--sync-census takes a positive number of steps, got {steps}")
+        self.steps = steps
+        self.first = first
+        self.census: Census | None = None
+        self.done = False
+
+    def attach(self, model: nn.Module, run: Run, console: Console) -> None:
+        self.run = run
+        self.console = console
+
+    def step_begin(self, step: int) -> None:
+        if step == self.first and not self.done:
+            self.census = census(start_step=step).__enter__()
+
+    def step_end(self, step: int) -> None:
+        if self.census is None:
+            return
+        self.census.step(step)
+        if step == self.first + self.steps - 1:
+            self._finish()
+
+    def close(self) -> None:
+        if self.census is not None:  # the run ended inside the census window
+            self._finish()
+
+    def _finish(self) -> None:
+        c, self.census = self.census, None
+        assert c is not None
+        c.__exit__(None, None, None)
+        self.done = True
+        self.run.emit(c.records(self.run.name, self.run.ranks.rank))
+        c.print_table(self.console)
