@@ -30,6 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     query.add_argument("run_dir", help="a run directory (runs/<time>-<name>)")
     query.add_argument("sql", help='SQL over the view `metrics`, e.g. "SELECT * FROM metrics"')
     query.add_argument("--format", choices=("table", "csv", "json"), default="table")
+
+    from syncless.lint import cli as lint_cli
+
+    lint = sub.add_parser(
+        "lint",
+        help="check hot-path code for host syncs and collectives",
+        description=lint_cli.DESCRIPTION,
+    )
+    lint_cli.add_arguments(lint)
     return parser
 
 
@@ -43,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             return demo_cli.run(args, argv[argv.index("demo") + 1 :])
         if args.command == "query":
             return _query(args)
+        if args.command == "lint":
+            from syncless.lint import cli as lint_cli
+
+            return lint_cli.run(args)
     except UsageError as e:
         print(f"syncless: error: {e}", file=sys.stderr)
         return 2
