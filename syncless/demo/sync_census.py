@@ -27,6 +27,7 @@ class SyncCensusTool:
         self.first = first
         self.census: Census | None = None
         self.done = False
+        self.syncs_per_step = 0.0
 
     def attach(self, model: nn.Module, run: Run, console: Console) -> None:
         self.run = run
@@ -52,5 +53,6 @@ class SyncCensusTool:
         assert c is not None
         c.__exit__(None, None, None)
         self.done = True
+        self.syncs_per_step = c.total / max(1, len(c.per_step()))
         self.run.emit(c.records(self.run.name, self.run.ranks.rank))
         c.print_table(self.console)
