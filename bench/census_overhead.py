@@ -13,21 +13,15 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from results import append_result  # bench/ is on sys.path when run as a script
+from results import append_result, metric_values  # bench/ is on sys.path as a script
 
 from syncless.demo.config import preset
 from syncless.demo.sync_census import SyncCensusTool
 from syncless.demo.train import run_demo
-from syncless.run import open as open_run
 
 
 def step_times(run_dir: Path, first: int) -> list[float]:
-    with open_run(run_dir) as store:
-        _, rows = store.query(
-            "SELECT value FROM metrics WHERE name = 'demo/step/step_ms' AND rank = 0 "
-            f"AND step >= {first} ORDER BY step"
-        )
-    return [v for (v,) in rows]
+    return metric_values(run_dir, "demo/step/step_ms", first)
 
 
 def main() -> None:

@@ -17,16 +17,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pyarrow.parquet as pq
-from results import append_result  # bench/ is on sys.path when run as a script
+from results import append_result, metric_values  # bench/ is on sys.path as a script
 
 
 def median_after_warmup(run_dir: Path, name: str, warmup: int) -> tuple[float, int]:
-    values = []
-    for shard in sorted((run_dir / "metrics").glob("rank00000-*.parquet")):
-        for row in pq.read_table(shard).to_pylist():
-            if row["name"] == name and row["step"] >= warmup:
-                values.append(row["value"])
+    values = metric_values(run_dir, name, warmup)
     return statistics.median(values), len(values)
 
 

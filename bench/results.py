@@ -30,6 +30,21 @@ def commit() -> str:
     return (out.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
 
 
+def metric_values(run_dir: Path, name: str, first_step: int = 0, rank: int = 0) -> list[float]:
+    """One metric of one rank from a run's shards, in step order (pyarrow only: the GPU
+    image has no DuckDB)."""
+    import pyarrow.parquet as pq
+
+    rows = []
+    for shard in sorted((Path(run_dir) / "metrics").glob(f"rank{rank:05d}-*.parquet")):
+        rows += [
+            (r["step"], r["value"])
+            for r in pq.read_table(shard).to_pylist()
+            if r["name"] == name and r["step"] >= first_step
+        ]
+    return [v for _, v in sorted(rows)]
+
+
 def append_result(bench: str, result: str, path: Path | None = None) -> str:
     import torch
 
