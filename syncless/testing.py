@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -28,7 +29,9 @@ def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, results
             timeout=timedelta(seconds=60),
         )
         try:
-            results.put((rank, True, fn(rank, world, *args)))
+            # Pickled here, in-band: a tensor put on the queue as is travels as a shared
+            # file descriptor, which is gone if this process exits before the parent reads.
+            results.put((rank, True, pickle.dumps(fn(rank, world, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -57,7 +60,7 @@ def spawn_gloo(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120
         for _ in procs:
             rank, ok, value = results.get(timeout=timeout_s)
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 failures.append(f"rank {rank}:\n{value}")
                 break  # the other ranks may now hang in a collective
