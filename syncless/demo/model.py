@@ -99,10 +99,13 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [N, d] grouped by local expert, ``counts[e]`` rows each -> [N, d]."""
+        # unbind, not w[e]: the backward of unbind is one stack of the expert gradients,
+        # while each w[e] would materialise a zero-filled gradient of the whole [E, d, h]
+        # parameter and add it up (3 x E full-size fills and adds per layer).
+        gates, ups, downs = self.w_gate.unbind(0), self.w_up.unbind(0), self.w_down.unbind(0)
         outs = []
-        for e, xe in enumerate(x.split(counts)):
-            h = F.silu(xe @ self.w_gate[e].to(xe.dtype)) * (xe @ self.w_up[e].to(xe.dtype))
-            outs.append(h @ self.w_down[e].to(xe.dtype))
+        for xe, w_gate, w_up, w_down in zip(x.split(counts), gates, ups, downs, strict=True):
+            outs.append((F.silu(xe @ w_gate) * (xe @ w_up)) @ w_down)
         return torch.cat(outs)
 
 
