@@ -1,0 +1,187 @@
+"""``MetricSet``: declare, allocate, record through slots, flush once per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from syncless.metrics.consensus import agree
+from syncless.metrics.readout import Readout, decode
+from syncless.metrics.schema import Agg, MetricSpec
+from syncless.metrics.slot import Slot
+
+
+@dataclass
+class _Pending:
+    step: int
+    host: torch.Tensor
+    event: torch.cuda.Event | None
+
+
+class MetricSet:
+    """A fixed set of metrics in one packed device buffer.
+
+    Lifecycle: ``declare`` (any number) -> ``allocate(device)`` (locks the schema,
+    agrees on it across ranks, materialises the buffer) -> hooks record through the
+    returned ``Slot`` objects -> ``flush(step)`` once per step on the cold path.
+
+    The buffer is float64: ``[sums and counts | maxima (minima negated)]``. A flush is
+    exactly one SUM and one MAX all_reduce over the two regions (when
+    torch.distributed is initialised and the group has more than one rank), one
+    non-blocking D2H copy into pinned memory and one event. By default the values are
+    read at the next flush (lagged), so the step never waits; ``flush(wait=True)``
+    reads them now.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self._slots: dict[str, Slot] = {}
+        self._locked = False
+        self.buffer: torch.Tensor | None = None
+        self._pending: _Pending | None = None
+        self._host: list[torch.Tensor] = []
+        self._turn = 0
+        self.flushes = 0
+        self.d2h_copies = 0
+        self.collectives = 0
+
+    # -- declaration ---------------------------------------------------------------
+
+    def declare(
+        self,
+        area: str,
+        name: str,
+        agg: Agg,
+        size: int = 1,
+        layer: int | None = None,
+        element: str = "i",
+        emit_elements: bool = True,
+    ) -> Slot:
+        """Declare a metric and return its slot. Declaring the same key twice with the
+        same definition returns the same slot; a different definition raises."""
+        spec = MetricSpec(area, name, agg, size, layer, element, emit_elements)
+        if self._locked:
+            raise RuntimeError(
+                f"cannot declare {spec.key!r}: the schema is locked by allocate(). "
+                "Declare every metric at registration, before allocate()."
+            )
+        existing = self._slots.get(spec.key)
+        if existing is not None:
+            if existing.spec != spec:
+                raise ValueError(
+                    f"metric {spec.key!r} already declared as {existing.spec}, now as {spec}"
+                )
+            return existing
+        slot = self._slots[spec.key] = Slot(spec)
+        return slot
+
+    def slot(self, key: str) -> Slot:
+        """The slot of a declared metric (for setup code; hooks should keep slots)."""
+        try:
+            return self._slots[key]
+        except KeyError:
+            declared = ", ".join(sorted(self._slots)) or "(none)"
+            raise KeyError(
+                f"metric {key!r} was not declared; declared metrics: {declared}"
+            ) from None
+
+    def record(self, key: str, value: torch.Tensor, count: int | torch.Tensor = 1) -> None:
+        """Record by key: a dict lookup per call, so prefer keeping the slot in hooks."""
+        self.slot(key).record(value, count)
+
+    @property
+    def specs(self) -> list[MetricSpec]:
+        return [s.spec for s in self._slots.values()]
+
+    # -- allocation ----------------------------------------------------------------
+
+    def allocate(self, device: torch.device | str) -> None:
+        if self._locked:
+            raise RuntimeError("allocate() was already called on this MetricSet")
+        self._locked = True
+        device = torch.device(device)
+        self._specs = agree(self.specs, self.group)
+        for spec in self._specs:  # keys other ranks own: slots nobody here records into
+            self._slots.setdefault(spec.key, Slot(spec))
+        sum_len, max_len, layout = 0, 0, []
+        for spec in self._specs:
+            if spec.agg in ("mean", "sum"):
+                layout.append((sum_len, sum_len + spec.size, None))
+                sum_len += 2 * spec.size
+            else:
+                layout.append((None, None, max_len))
+                max_len += spec.size
+        self._sum_len = sum_len
+        self._offsets = [(s, c, None if m is None else sum_len + m) for s, c, m in layout]
+        self.buffer = torch.zeros(sum_len + max_len, dtype=torch.float64, device=device)
+        self._reset()
+        self.gate = torch.ones((), dtype=torch.float64, device=device)
+        self.gate_on = torch.ones((), dtype=torch.bool, device=device)
+        neg_inf = torch.full((), -torch.inf, dtype=torch.float64, device=device)
+        for spec, offsets in zip(self._specs, self._offsets, strict=True):
+            self._slots[spec.key].bind(self.buffer, offsets, self.gate, self.gate_on, neg_inf)
+        pin = device.type == "cuda"
+        self._host = [
+            torch.empty(self.buffer.numel(), dtype=torch.float64, pin_memory=pin) for _ in range(2)
+        ]
+
+    def _reset(self) -> None:
+        assert self.buffer is not None
+        self.buffer[: self._sum_len].zero_()
+        self.buffer[self._sum_len :].fill_(-torch.inf)
+
+    def set_enabled(self, enabled: bool) -> None:
+        """Turn recording on or off on the device (no retrace, no graph re-capture)."""
+        self.gate.fill_(1.0 if enabled else 0.0)
+        self.gate_on.fill_(enabled)
+
+    # -- flush ---------------------------------------------------------------------
+
+    def flush(self, step: int, wait: bool = False) -> list[Readout]:
+        """Reduce across ranks, start the D2H copy, reset; return finished readouts.
+
+        Lagged (default): returns the previous flush's readout (empty at the first
+        flush). ``wait=True``: also waits for this flush and returns it.
+        """
+        if self.buffer is None:
+            raise RuntimeError("flush() before allocate()")
+        buf = self.buffer
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            # The two packed collectives of a flush; contiguous views of one buffer.
+            dist.all_reduce(buf[: self._sum_len], op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(buf[self._sum_len :], op=dist.ReduceOp.MAX, group=self.group)
+            self.collectives += 2
+        host = self._host[self._turn]
+        self._turn ^= 1
+        host.copy_(buf, non_blocking=buf.is_cuda)
+        self.d2h_copies += 1
+        event = None
+        if buf.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._reset()  # stream-ordered after the copy
+        self.flushes += 1
+        ready: list[Readout] = []
+        previous, self._pending = self._pending, _Pending(step, host, event)
+        if previous is not None:
+            ready.append(self._read(previous))
+        if wait:
+            ready.append(self._read(self._pending))
+            self._pending = None
+        return ready
+
+    def drain(self) -> list[Readout]:
+        """The readout still pending from the last lagged flush, if any."""
+        previous, self._pending = self._pending, None
+        return [self._read(previous)] if previous is not None else []
+
+    def _read(self, pending: _Pending) -> Readout:
+        if pending.event is not None:
+            # A step after the copy was enqueued this returns at once; it only waits
+            # when called right after flush (wait=True or drain at the end).
+            pending.event.synchronize()
+        host: np.ndarray = pending.host.numpy()
+        return decode(pending.step, host, self._specs, self._offsets)

@@ -1,0 +1,83 @@
+"""A declared metric's place in the packed device buffer, and its record ops.
+
+Recording is a few in-place device ops on views fixed at allocate: no lookup, no
+allocation, no sync, no branch on a value. Every op is gated by the device-side enable
+flag, so "record every N steps" costs no retrace and no graph re-capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from syncless.metrics.schema import MetricSpec
+
+
+class Slot:
+    """Views into the packed buffer for one metric.
+
+    ``sum``/``count`` live in the SUM region (mean and sum metrics; count per
+    element, kept in float64 so it stays exact to 2^53 samples); ``max`` lives in the
+    MAX region (max metrics, and min metrics stored negated).
+    """
+
+    __slots__ = ("_count", "_gate", "_gate_on", "_max", "_neg_inf", "_sum", "spec")
+
+    def __init__(self, spec: MetricSpec) -> None:
+        self.spec = spec
+        self._sum: torch.Tensor | None = None
+        self._count: torch.Tensor | None = None
+        self._max: torch.Tensor | None = None
+
+    def bind(
+        self,
+        buffer: torch.Tensor,
+        offsets: tuple[int | None, int | None, int | None],
+        gate: torch.Tensor,
+        gate_on: torch.Tensor,
+        neg_inf: torch.Tensor,
+    ) -> None:
+        n = self.spec.size
+        s, c, m = offsets
+        self._sum = buffer[s : s + n] if s is not None else None
+        self._count = buffer[c : c + n] if c is not None else None
+        self._max = buffer[m : m + n] if m is not None else None
+        self._gate, self._gate_on, self._neg_inf = gate, gate_on, neg_inf
+
+    def _unbound(self) -> RuntimeError:
+        return RuntimeError(
+            f"metric {self.spec.key!r} is declared but not allocated: call allocate() "
+            "before the first record"
+        )
+
+    def add(self, total: torch.Tensor, count: int | torch.Tensor = 1) -> None:
+        """Mean and sum metrics: add ``total`` (the sum of ``count`` samples)."""
+        if self._sum is None or self._count is None:
+            if self.spec.agg in ("max", "min"):
+                raise TypeError(
+                    f"metric {self.spec.key!r} is a {self.spec.agg} metric: use update()"
+                )
+            raise self._unbound()
+        self._sum.addcmul_(total, self._gate)
+        if isinstance(count, torch.Tensor):
+            self._count.addcmul_(count, self._gate)
+        else:
+            self._count.add_(self._gate, alpha=count)
+
+    def update(self, value: torch.Tensor) -> None:
+        """Max and min metrics: fold ``value`` into the running extreme."""
+        if self._max is None:
+            if self.spec.agg in ("mean", "sum"):
+                raise TypeError(f"metric {self.spec.key!r} is a {self.spec.agg} metric: use add()")
+            raise self._unbound()
+        if self.spec.agg == "min":
+            value = -value
+        # where(), not value + (0 | -inf): a NaN would survive the addition while
+        # recording is off.
+        self._max.clamp_(min=torch.where(self._gate_on, value, self._neg_inf))
+
+    def record(self, value: torch.Tensor, count: int | torch.Tensor = 1) -> None:
+        """``add`` for mean/sum metrics, ``update`` for max/min metrics."""
+        if self.spec.agg in ("max", "min"):
+            self.update(value)
+        else:
+            self.add(value, count)
