@@ -28,7 +28,7 @@ class ProfileTool:
             activities.append(ProfilerActivity.CUDA)
         self.prof = profile(activities=activities)
 
-    def attach(self, model, run, console) -> None:
+    def attach(self, ctx) -> None:
         pass
 
     def step_begin(self, step: int) -> None:

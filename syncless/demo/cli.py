@@ -39,6 +39,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="count every host sync in STEPS steps after step 0 (default 3): print the "
         "per-call-site table and store guard/* records",
     )
+    tools.add_argument(
+        "--monitors",
+        default=None,
+        metavar="NAMES",
+        help="built-in monitors: all, or a comma list of attention, moe, activations, "
+        "norms, nonfinite",
+    )
+    tools.add_argument(
+        "--monitor-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="record every N steps (default: each monitor's own cadence)",
+    )
     add_config_arguments(parser)
 
 
@@ -52,6 +66,16 @@ def build_tools(args: argparse.Namespace) -> list:
                 f"--sync-census takes a positive number of steps, got {args.sync_census}"
             )
         tools.append(SyncCensusTool(steps=args.sync_census))
+    if args.monitors is not None:
+        from syncless.demo.monitors_tool import MonitorsTool
+        from syncless.monitors import parse_names
+
+        if args.monitor_every is not None and args.monitor_every < 1:
+            raise UsageError(f"--monitor-every must be >= 1, got {args.monitor_every}")
+        parse_names(args.monitors)  # a clear error before training starts
+        tools.append(MonitorsTool(args.monitors, every=args.monitor_every))
+    elif args.monitor_every is not None:
+        raise UsageError("--monitor-every needs --monitors")
     return tools
 
 

@@ -4,7 +4,9 @@ Both dispatchers are the *standard* code most MoE trainers run: token counts per
 expert are read back to the host once per layer (``.tolist()``) because
 ``Tensor.split`` and ``all_to_all_single`` take Python split lists. That drain blocks
 the host until everything enqueued before it has finished; later issues measure and
-remove it (syncless.pacing). Keep it here on purpose: it is the baseline.
+remove it (syncless.pacing). Keep it here on purpose: it is the baseline. Each drain
+sits in ``allow_sync``: it is intended, so tests can run the model under ``no_sync()``
+to prove the monitors' hooks sync-free, while ``census()`` still counts it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
+
+from syncless.guard import allow_sync
 
 if TYPE_CHECKING:
     from syncless.demo.model import Experts
@@ -66,7 +70,8 @@ class LocalDispatcher:
     ) -> torch.Tensor:
         rows, order, flat = _sort_by_expert(x, experts)
         n_experts = fn.w_gate.shape[0]
-        counts = _count_per_expert(flat, n_experts).tolist()  # the per-layer drain
+        with allow_sync("demo baseline: per-layer count drain for split()"):
+            counts = _count_per_expert(flat, n_experts).tolist()
         return _combine(fn(rows, counts), order, weights)
 
 
@@ -116,7 +121,8 @@ class AllToAllDispatcher:
         send_counts = _count_per_expert(flat, n_experts)
         recv_counts = torch.empty_like(send_counts)  # [src rank, my local expert]
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send, recv = torch.stack((send_counts, recv_counts)).tolist()  # the per-layer drain
+        with allow_sync("demo baseline: per-layer count drain for all_to_all splits"):
+            send, recv = torch.stack((send_counts, recv_counts)).tolist()
         in_splits = [sum(send[r * n_local : (r + 1) * n_local]) for r in range(self.world)]
         out_splits = [sum(recv[r * n_local : (r + 1) * n_local]) for r in range(self.world)]
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from rich.console import Console
-from torch import nn
-
+from syncless.demo.tools import DemoContext
 from syncless.guard import Census, census
-from syncless.run import Run
 
 
 class SyncCensusTool:
@@ -29,9 +26,9 @@ class SyncCensusTool:
         self.done = False
         self.syncs_per_step = 0.0
 
-    def attach(self, model: nn.Module, run: Run, console: Console) -> None:
-        self.run = run
-        self.console = console
+    def attach(self, ctx: DemoContext) -> None:
+        self.run = ctx.run
+        self.console = ctx.console
 
     def step_begin(self, step: int) -> None:
         if step == self.first and not self.done:

@@ -6,22 +6,37 @@ change the workload except through what it measures.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
+import torch
 from rich.console import Console
 from torch import nn
 
+from syncless.demo.config import DemoConfig
 from syncless.run import Run
+
+
+@dataclass
+class DemoContext:
+    """What a tool sees of the demo: built once, before the first step.
+
+    ``console`` is the demo's (shared with its live view, quiet under --quiet).
+    """
+
+    cfg: DemoConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    run: Run
+    console: Console
+    expert_parallel: bool
 
 
 class DemoTool(Protocol):
     name: str
 
-    def attach(self, model: nn.Module, run: Run, console: Console) -> None:
-        """Once, after the model is built and before the first step.
-
-        ``console`` is the demo's (shared with its live view, quiet under --quiet).
-        """
+    def attach(self, ctx: DemoContext) -> None:
+        """Once, after the model and optimizer are built, before the first step."""
 
     def step_begin(self, step: int) -> None:
         """Before the step's forward."""

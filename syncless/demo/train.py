@@ -21,7 +21,7 @@ from syncless.demo.dispatch import AllToAllDispatcher, LocalDispatcher
 from syncless.demo.model import MoETransformer, init_weights
 from syncless.demo.parallel import clip_grad_norm, init_distributed, sync_gradients
 from syncless.demo.progress import LiveView
-from syncless.demo.tools import DemoTool
+from syncless.demo.tools import DemoContext, DemoTool
 from syncless.run import RankInfo, Run
 
 
@@ -123,8 +123,9 @@ def _train(
         sinks=[view] if view else [],
         flush_interval_s=cfg.flush_interval_s,
     )
+    demo_ctx = DemoContext(cfg, model, optimizer, run, console, expert_parallel)
     for tool in tools:
-        tool.attach(model, run, console)
+        tool.attach(demo_ctx)
 
     result = DemoResult(run.dir)
     tokens_per_step = cfg.batch_size * cfg.seq_len * world

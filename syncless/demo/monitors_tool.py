@@ -1,0 +1,36 @@
+"""``syncless demo --monitors all|attention,moe,...``: the built-in monitors on the demo."""
+
+from __future__ import annotations
+
+from syncless.demo.parallel import is_expert_param
+from syncless.demo.tools import DemoContext
+from syncless.monitors import MonitorHandle, attach, build
+
+
+class MonitorsTool:
+    name = "monitors"
+
+    def __init__(self, names: str, every: int | None = None) -> None:
+        self.names = names
+        self.every = every
+        self.handle: MonitorHandle | None = None
+
+    def attach(self, ctx: DemoContext) -> None:
+        monitors = build(
+            self.names,
+            optimizer=ctx.optimizer,
+            every=self.every,
+            is_sharded=is_expert_param if ctx.expert_parallel else None,
+        )
+        self.handle = attach(ctx.model, monitors, run=ctx.run)
+
+    def step_begin(self, step: int) -> None:
+        pass
+
+    def step_end(self, step: int) -> None:
+        assert self.handle is not None
+        self.handle.step(step)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()

@@ -1,0 +1,18 @@
+"""Built-in monitors on top of syncless.metrics: attention, moe, activations, norms,
+nonfinite. ``attach(model, build("all", optimizer=opt), run=run)`` then
+``handle.step(step)`` once per training step."""
+
+from syncless.monitors.base import AREA, Monitor, MonitorContext
+from syncless.monitors.handle import MonitorHandle, attach
+from syncless.monitors.registry import MONITORS, build, parse_names
+
+__all__ = [
+    "AREA",
+    "MONITORS",
+    "Monitor",
+    "MonitorContext",
+    "MonitorHandle",
+    "attach",
+    "build",
+    "parse_names",
+]

@@ -1,0 +1,115 @@
+"""Massive activations: per-channel running max |x| of each layer's output.
+
+Hot path, per layer and step: one ``vector_norm(ord=inf)`` over every dimension but the
+channel one, folded into the layer's per-channel max (``where`` + ``clamp_``): 3 kernels
+and one read of the activation. Everything else (the largest channel, max/median ratio,
+channels above each threshold) is derived at flush from the cluster-wide vector.
+
+Tensor parallelism: when the channel dimension is sharded, pass ``channel_shard=(rank,
+world)``. Each rank then folds its channels into its own slice of the full-width vector
+and leaves the rest at the max identity, so the flush's packed MAX collective assembles
+the whole vector: no collective of its own on the hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from syncless.hot_path import hot_path
+from syncless.metrics import Readout, Slot
+from syncless.monitors.base import AREA, MonitorContext
+
+NAME = "act_channel_absmax"
+
+
+def _threshold_label(t: float) -> str:
+    return f"{t:g}".replace(".", "p").replace("+", "")
+
+
+class ActivationsMonitor:
+    name = "activations"
+
+    def __init__(
+        self,
+        every: int = 1,
+        thresholds: Sequence[float] = (20.0, 100.0, 500.0),
+        channel_shard: tuple[int, int] | None = None,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.every = every
+        self.active = True
+        self.thresholds = tuple(sorted(float(t) for t in thresholds))
+        self.channel_shard = channel_shard
+        self._slots: dict[int, Slot] = {}
+        self._layers: list[int] = []
+
+    def prepare(self, ctx: MonitorContext) -> None:
+        width = ctx.model.d_model
+        for site in ctx.model.layers:
+            self._slots[site.index] = ctx.metrics.declare(
+                AREA, NAME, "max", size=width, layer=site.index, element="channel",
+                emit_elements=False,
+            )  # fmt: skip
+            self._layers.append(site.index)
+
+    def attach(self, ctx: MonitorContext) -> None:
+        for site in ctx.model.layers:
+            slot = self._slots[site.index]
+            if self.channel_shard is not None:
+                rank, world = self.channel_shard
+                width = slot.spec.size // world
+                slot = _ShardedSlot(slot, rank * width, width)
+            ctx.handles += site.attach_output(self._make_output_hook(slot))
+
+    def _make_output_hook(self, slot):
+        @hot_path
+        def record(hidden: torch.Tensor) -> None:
+            if not self.active:
+                return
+            dims = tuple(range(hidden.dim() - 1))
+            slot.update(torch.linalg.vector_norm(hidden.detach(), ord=float("inf"), dim=dims))
+
+        return record
+
+    def derive(self, readout: Readout) -> dict[str, float]:
+        out: dict[str, float] = {}
+        per_layer_max = []
+        for layer in self._layers:
+            key = f"{AREA}/layer_{layer:02d}/{NAME}"
+            if not readout.present[key].all():
+                continue
+            channels = readout.values[key]
+            top = float(channels.max())
+            median = float(np.median(channels))
+            scope = f"{AREA}/layer_{layer:02d}"
+            out[f"{scope}/act_absmax"] = top
+            out[f"{scope}/act_max_median_ratio"] = top / median if median > 0 else float("inf")
+            for t in self.thresholds:
+                count = float((channels > t).sum())
+                out[f"{scope}/act_channels_above_{_threshold_label(t)}_count"] = count
+            per_layer_max.append(top)
+        if per_layer_max:
+            out[f"{AREA}/global/act_absmax"] = max(per_layer_max)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class _ShardedSlot:
+    """Writes a channel shard into its slice of the full-width max vector."""
+
+    def __init__(self, slot: Slot, start: int, width: int) -> None:
+        self.slot, self.start, self.width = slot, start, width
+
+    @hot_path
+    def update(self, value: torch.Tensor) -> None:
+        full = torch.full(
+            (self.slot.spec.size,), -torch.inf, dtype=value.dtype, device=value.device
+        )
+        full[self.start : self.start + self.width] = value
+        self.slot.update(full)

@@ -1,0 +1,52 @@
+"""The monitor lifecycle: declare, allocate, attach hooks, derive at flush, close.
+
+A monitor never allocates or reads back on its own: it declares its metrics into the
+shared ``MetricSet`` (one packed buffer for every monitor), records into the slots from
+its hooks (device ops only), and derives whatever needs the cluster-wide values (ratios,
+entropies over summed counts) on the host from the flushed ``Readout``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch.utils.hooks import RemovableHandle
+
+from syncless.metrics import MetricSet, Readout
+from syncless.monitors.adapters import ModelMap
+
+AREA = "monitors"
+
+
+@dataclass
+class MonitorContext:
+    """What a monitor gets at ``prepare``/``attach``: the model's map, the shared
+    metric set, and the list its hook handles go into (removed at close)."""
+
+    model: ModelMap
+    metrics: MetricSet
+    handles: list[RemovableHandle] = field(default_factory=list)
+
+
+class Monitor(Protocol):
+    """``active`` is the host-side cadence switch the handle sets before each step
+    (``step % every == 0``): a hook returns at once when it is False, so an off-step
+    costs one Python attribute read per hook and no kernel."""
+
+    name: str
+    every: int  # record every N steps (1 = every step)
+    active: bool
+
+    def prepare(self, ctx: MonitorContext) -> None:
+        """Declare every metric this monitor may record (before allocate)."""
+
+    def attach(self, ctx: MonitorContext) -> None:
+        """Install hooks (after allocate); append their handles to ``ctx.handles``."""
+
+    def derive(self, readout: Readout) -> dict[str, float]:
+        """Host-side values derived from the flushed cluster-wide readout: metric
+        name -> value (names follow ``area/scope/name_unit``)."""
+
+    def close(self) -> None:
+        """Release anything held beyond hook handles (e.g. optimizer hooks)."""

@@ -1,0 +1,138 @@
+"""``syncless.monitors.attach``: set monitors up on a model and flush them per step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from syncless.metrics import MetricSet, Readout
+from syncless.monitors.adapters import find_layers
+from syncless.monitors.base import AREA, Monitor, MonitorContext
+from syncless.run import Run, StepRecord, check_metric_name
+
+
+class MonitorHandle:
+    """What ``attach`` returns: call ``step(step)`` once per training step, ``close()``
+    at the end.
+
+    ``step`` flushes the shared metric buffer (one D2H copy, two packed collectives),
+    turns the lagged readout of the previous step into records (plus each monitor's
+    derived values), emits them to the run's sinks on rank 0 (the values are
+    cluster-wide, identical on every rank), and sets each monitor's cadence for the
+    next step.
+    """
+
+    def __init__(
+        self,
+        monitors: Sequence[Monitor],
+        ctx: MonitorContext,
+        run: Run | None,
+        lagged: bool,
+        emit: bool,
+    ) -> None:
+        self.monitors = list(monitors)
+        self.ctx = ctx
+        self.metrics = ctx.metrics
+        self.run = run
+        self.lagged = lagged
+        self.emit = emit
+        self.last_records: list[StepRecord] = []
+        self.readouts: list[Readout] = []  # the most recent flush's readouts
+        self._host_ms = 0.0
+        self._closed = False
+        self._set_cadence(0)
+
+    def _set_cadence(self, step: int) -> None:
+        for m in self.monitors:
+            m.active = step % m.every == 0
+
+    def step(self, step: int, wait: bool | None = None) -> list[StepRecord]:
+        """End of training step ``step``: flush, emit, and arm the next step."""
+        start = time.perf_counter()
+        any_active = any(m.active for m in self.monitors)
+        readouts = (
+            self.metrics.flush(step, wait=not self.lagged if wait is None else wait)
+            if any_active
+            else []
+        )
+        records = self._records(readouts)
+        self._set_cadence(step + 1)
+        self._host_ms = (time.perf_counter() - start) * 1e3
+        self._publish(records)
+        return records
+
+    def _records(self, readouts: list[Readout]) -> list[StepRecord]:
+        records: list[StepRecord] = []
+        rank = self.run.ranks.rank if self.run else 0
+        name = self.run.name if self.run else ""
+        now = time.time()
+        for r in readouts:
+            records += r.records(name, rank, now)
+            for m in self.monitors:
+                for key, value in m.derive(r).items():
+                    records.append(
+                        StepRecord(name, r.step, rank, check_metric_name(key), value, now)
+                    )
+            # The measurement bills itself: host time of the previous step() call.
+            records.append(
+                StepRecord(name, r.step, rank, f"{AREA}/self/flush_host_ms", self._host_ms, now)
+            )
+        self.readouts = readouts
+        return records
+
+    def _publish(self, records: list[StepRecord]) -> None:
+        self.last_records = records
+        if records and self.run is not None and self.emit:
+            self.run.emit(records)
+
+    def close(self) -> list[StepRecord]:
+        """Read the last pending flush, emit it, remove every hook."""
+        if self._closed:
+            return []
+        self._closed = True
+        records = self._records(self.metrics.drain())
+        self._publish(records)
+        for h in self.ctx.handles:
+            h.remove()
+        self.ctx.handles.clear()
+        for m in self.monitors:
+            m.close()
+        return records
+
+
+def attach(
+    model: nn.Module | Sequence[nn.Module],
+    monitors: Sequence[Monitor],
+    *,
+    run: Run | None = None,
+    device: torch.device | str | None = None,
+    group: dist.ProcessGroup | None = None,
+    lagged: bool = True,
+) -> MonitorHandle:
+    """Declare every monitor on every model chunk, allocate once, then attach hooks.
+
+    ``model`` may be a list of chunks (interleaved pipeline parallel): all chunks are
+    mapped and declared before the single allocate. ``lagged=True`` (default) reads a
+    step's values at the next ``step()`` call, so no step waits for its own copy.
+    """
+    if not monitors:
+        raise ValueError("attach() needs at least one monitor")
+    names = [m.name for m in monitors]
+    if len(set(names)) != len(names):
+        raise ValueError(f"each monitor may be attached once; got {names}")
+    model_map = find_layers(model)
+    if device is None:
+        first = model[0] if isinstance(model, Sequence) else model
+        device = next(first.parameters()).device
+    ctx = MonitorContext(model_map, MetricSet(group))
+    for m in monitors:
+        m.prepare(ctx)
+    ctx.metrics.allocate(device)
+    for m in monitors:
+        m.attach(ctx)
+    is_main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return MonitorHandle(monitors, ctx, run, lagged, emit=is_main)

@@ -1,0 +1,65 @@
+"""NaN/Inf counts per layer output, and an on-device alert flag.
+
+Hot path per layer: ``isfinite`` -> ``logical_not`` -> ``sum`` (3 kernels, one read of
+the activation) and the slot ops. The alert, ``monitors/step/nonfinite_alert_count``
+(the largest per-layer count this step), is a max metric in the same packed buffer: it
+rides in the flush's one D2H copy, and ``alert`` is its device tensor, which training
+code may use on the device (e.g. ``torch.where`` to skip an update) without a sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from syncless.hot_path import hot_path
+from syncless.metrics import Readout, Slot
+from syncless.monitors.base import AREA, MonitorContext
+
+
+class NonFiniteMonitor:
+    name = "nonfinite"
+
+    def __init__(self, every: int = 1) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.every = every
+        self.active = True
+        self._slots: dict[int, Slot] = {}
+        self._alert: Slot | None = None
+
+    def prepare(self, ctx: MonitorContext) -> None:
+        for site in ctx.model.layers:
+            self._slots[site.index] = ctx.metrics.declare(
+                AREA, "nonfinite_count", "sum", layer=site.index
+            )
+        self._alert = ctx.metrics.declare(AREA, "nonfinite_alert_count", "max")
+
+    @property
+    def alert(self) -> torch.Tensor:
+        """The device view of this step's alert value (-inf until something is recorded)."""
+        assert self._alert is not None and self._alert._max is not None, "allocate() first"
+        return self._alert._max
+
+    def attach(self, ctx: MonitorContext) -> None:
+        for site in ctx.model.layers:
+            ctx.handles += site.attach_output(self._make_output_hook(self._slots[site.index]))
+
+    def _make_output_hook(self, slot: Slot):
+        alert = self._alert
+        assert alert is not None
+
+        @hot_path
+        def record(hidden: torch.Tensor) -> None:
+            if not self.active:
+                return
+            bad = torch.isfinite(hidden.detach()).logical_not_().sum()
+            slot.add(bad)
+            alert.update(bad)
+
+        return record
+
+    def derive(self, readout: Readout) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass

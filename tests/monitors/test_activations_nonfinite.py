@@ -1,0 +1,150 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from syncless.demo.config import preset
+from syncless.demo.model import MoETransformer, init_weights
+from syncless.guard import no_sync
+from syncless.metrics import MetricSet
+from syncless.monitors import attach
+from syncless.monitors.activations import ActivationsMonitor
+from syncless.monitors.adapters import find_layers
+from syncless.monitors.base import MonitorContext
+from syncless.monitors.nonfinite import NonFiniteMonitor
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    model = MoETransformer(preset("tiny"))
+    init_weights(model, seed)
+    return model
+
+
+def _block_outputs(model, tokens):
+    """Ground truth: the blocks' outputs from a plain forward, no hooks."""
+    outs = []
+    x = model.embed(tokens)
+    with torch.no_grad():
+        for layer in model.layers:
+            x, _ = layer(x)
+            outs.append(x.clone())
+    return outs
+
+
+def test_activation_statistics_match_a_naive_recount():
+    model = _model()
+    thresholds = (0.5, 1.0, 2.0)
+    mon = ActivationsMonitor(thresholds=thresholds)
+    handle = attach(model, [mon], lagged=False)
+    batches = [torch.randint(0, 256, (3, 16)), torch.randint(0, 256, (2, 16))]
+    with no_sync(cpu_as_device=True):
+        for tokens in batches:
+            logits, balance = model(tokens)
+            (logits.square().mean() + balance).backward()
+    records = {r.name: r.value for r in handle.step(0)}
+    handle.close()
+
+    per_layer = [[] for _ in model.layers]
+    for tokens in batches:
+        for i, out in enumerate(_block_outputs(model, tokens)):
+            per_layer[i].append(out.reshape(-1, out.shape[-1]))
+    tops = []
+    for i, outs in enumerate(per_layer):
+        x = torch.cat(outs).numpy()
+        channel_max = [max(abs(float(v)) for v in x[:, c]) for c in range(x.shape[1])]
+        top = max(channel_max)
+        tops.append(top)
+        scope = f"monitors/layer_{i:02d}"
+        assert records[f"{scope}/act_absmax"] == pytest.approx(top, rel=1e-6)
+        assert records[f"{scope}/act_channel_absmax"] == pytest.approx(top, rel=1e-6)
+        assert records[f"{scope}/act_max_median_ratio"] == pytest.approx(
+            top / float(np.median(channel_max)), rel=1e-6
+        )
+        for t, label in zip(thresholds, ("0p5", "1", "2"), strict=True):
+            expected = sum(1 for v in channel_max if v > t)
+            assert records[f"{scope}/act_channels_above_{label}_count"] == expected
+    assert records["monitors/global/act_absmax"] == pytest.approx(max(tops), rel=1e-6)
+    # the per-channel vector stays out of the step records
+    assert not any("/act_channel_absmax/channel_" in n for n in records)
+
+
+def test_nonfinite_counts_and_device_alert():
+    model = _model()
+    mon = NonFiniteMonitor()
+    handle = attach(model, [mon], lagged=False)
+    tokens = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        model.layers[1].moe.router.gate.weight[0, 0] = float("nan")
+    with no_sync(cpu_as_device=True), torch.no_grad():
+        model(tokens)
+        alert = mon.alert.clone()  # on the device, no read-back
+    records = {r.name: r.value for r in handle.step(0)}
+    handle.close()  # the reference forward below must not feed the monitor
+    truth = [int((~torch.isfinite(o)).sum()) for o in _block_outputs(model, tokens)]
+    assert truth[0] == 0 and truth[1] > 0  # the NaN router weight poisons layer 1 only
+    assert records["monitors/layer_00/nonfinite_count"] == truth[0]
+    assert records["monitors/layer_01/nonfinite_count"] == truth[1]
+    assert records["monitors/step/nonfinite_alert_count"] == max(truth)
+    assert float(alert) == max(truth)
+
+
+def test_cadence_inactive_steps_record_nothing_and_close_removes_hooks():
+    model = _model()
+    mon = ActivationsMonitor(every=2)
+    handle = attach(model, [mon], lagged=False)
+    hooks_before = sum(len(m._forward_hooks) for m in model.modules())
+    assert hooks_before == len(model.layers)
+    tokens = torch.randint(0, 256, (2, 8))
+    seen = []
+    for step in range(4):
+        with no_sync(cpu_as_device=True), torch.no_grad():
+            model(tokens)
+        seen.append(bool(handle.step(step)))
+    assert seen == [True, False, True, False]  # every=2: steps 0 and 2 only
+    handle.close()
+    assert sum(len(m._forward_hooks) for m in model.modules()) == 0
+
+
+def test_tensor_parallel_channel_shards_assemble_with_the_max_collective():
+    """Two simulated TP ranks each hold half the channels; one MAX over the slices
+    (what the flush's collective does) gives the full-width vector."""
+    width = 8
+    shards = []
+    full = torch.randn(5, width)
+    for rank in range(2):
+        ms = MetricSet()
+        mon = ActivationsMonitor(channel_shard=(rank, 2))
+        ctx = MonitorContext(model=_FakeMap(width), metrics=ms)
+        mon.prepare(ctx)
+        ms.allocate("cpu")
+        mon.attach(ctx)
+        part = full[:, rank * 4 : (rank + 1) * 4]
+        with no_sync(cpu_as_device=True):
+            ctx.model.layers[0].fire(part)
+        (r,) = ms.flush(0, wait=True)
+        shards.append(np.where(r.present["monitors/layer_00/act_channel_absmax"],
+                               r.values["monitors/layer_00/act_channel_absmax"], -math.inf))  # fmt: skip
+    np.testing.assert_allclose(np.maximum(*shards), full.abs().amax(0).numpy())
+
+
+class _FakeLayer:
+    index = 0
+
+    def __init__(self):
+        self.callbacks = []
+
+    def attach_output(self, callback):
+        self.callbacks.append(callback)
+        return []
+
+    def fire(self, hidden):
+        for cb in self.callbacks:
+            cb(hidden)
+
+
+class _FakeMap:
+    def __init__(self, width):
+        self.d_model = width
+        self.layers = [_FakeLayer()]
