@@ -1,0 +1,165 @@
+"""What an adapter finds in a model: per-layer sites, and the hooks that read them.
+
+A *site* names the module to hook and the static facts a monitor needs (head counts,
+expert counts, softmax scale), all read at registration from module attributes or the
+model config, never from a tensor. Its ``attach_*`` methods install the forward hooks
+and hand the monitor the tensors it measures; the hooks only reshape and forward
+tensors the model already computed (or, where the model exposes no module boundary,
+recompute a cheap elementwise step), so they never sync.
+
+Callbacks receive *detached* tensors: a monitor computes statistics, not gradients,
+and a detached input keeps its work out of the autograd graph. They may share storage
+with the model's tensors, so a callback must not modify them in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+QKCallback = Callable[[Tensor, Tensor], None]
+TensorCallback = Callable[[Tensor], None]
+
+
+@dataclass
+class AttentionSite:
+    """One attention module and the static shape of its softmax(QK^T).
+
+    ``n_heads`` / ``n_kv_heads`` are query and key/value heads (``n_kv_heads <
+    n_heads`` under grouped-query attention), ``scale`` multiplies QK^T before the
+    softmax, ``causal`` says whether a causal mask is applied (``sliding_window``, when
+    set, further limits each query to the last ``sliding_window`` keys).
+
+    Adapters subclass this and implement :meth:`attach_qk` for their model family.
+    """
+
+    layer: int
+    module: nn.Module
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scale: float
+    causal: bool
+    sliding_window: int | None = None
+
+    def attach_qk(self, callback: QKCallback) -> list[RemovableHandle]:
+        """Call ``callback(q, k)`` once per forward of :attr:`module`.
+
+        ``q`` is ``[B, n_heads, L, head_dim]`` and ``k`` is ``[B, n_kv_heads, S,
+        head_dim]`` (``S == L`` for self-attention), post positional encoding, exactly
+        as they enter softmax(q k^T * scale); kv heads are not repeated. The hooks are
+        sync-free. Remove the returned handles to detach them.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement attach_qk(); an adapter's "
+            "AttentionSite subclass must (see docs/adapters.md)"
+        )
+
+
+@dataclass
+class RouterSite:
+    """One MoE router: ``n_experts`` experts, ``top_k`` chosen per token.
+
+    ``score`` is how router logits become probabilities (``"softmax"`` or
+    ``"sigmoid"``); ``normalize_topk`` says whether the chosen top-k weights are
+    renormalised to sum to one.
+
+    The logits are read from the output of ``logits_module`` (default: ``module``),
+    element ``logits_index`` of it when that output is a tuple (``None``: the output
+    is the logits tensor itself). An adapter whose router exposes its logits some
+    other way overrides :meth:`attach_logits`.
+    """
+
+    layer: int
+    module: nn.Module
+    n_experts: int
+    top_k: int
+    score: str
+    normalize_topk: bool
+    logits_module: nn.Module | None = field(default=None, repr=False)
+    logits_index: int | None = None
+
+    def attach_logits(self, callback: TensorCallback) -> list[RemovableHandle]:
+        """Call ``callback(router_logits)`` once per forward, logits ``[T, n_experts]``.
+
+        ``T`` is the number of tokens this rank routed (batch and sequence flattened).
+        """
+        target = self.logits_module if self.logits_module is not None else self.module
+        return [target.register_forward_hook(_make_logits_hook(callback, self))]
+
+
+@dataclass
+class LayerSite:
+    """One transformer block: its attention, its router (``None`` for dense layers)
+    and its MLP or MoE module."""
+
+    index: int
+    block: nn.Module
+    attention: AttentionSite | None
+    router: RouterSite | None
+    mlp: nn.Module | None
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This layer's parameters (every parameter of :attr:`block`), for norms."""
+        return list(self.block.parameters())
+
+    def attach_output(self, callback: TensorCallback) -> list[RemovableHandle]:
+        """Call ``callback(hidden)`` with the block's output hidden state ``[..., d_model]``.
+
+        Blocks that return a tuple (``(hidden, aux)``, older Hugging Face layers) give
+        its first element.
+        """
+        return [self.block.register_forward_hook(_make_output_hook(callback))]
+
+
+@dataclass
+class ModelMap:
+    """The layers an adapter found, in model order, and the model width."""
+
+    adapter: str
+    layers: list[LayerSite]
+    d_model: int
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Iterator[LayerSite]:
+        return iter(self.layers)
+
+    @property
+    def attention(self) -> list[AttentionSite]:
+        """The attention sites of every layer that has one."""
+        return [layer.attention for layer in self.layers if layer.attention is not None]
+
+    @property
+    def routers(self) -> list[RouterSite]:
+        """The router sites of the MoE layers."""
+        return [layer.router for layer in self.layers if layer.router is not None]
+
+
+def _make_logits_hook(
+    callback: TensorCallback, site: RouterSite
+) -> Callable[[nn.Module, tuple[Tensor, ...], object], None]:
+    index = site.logits_index
+    n_experts = site.n_experts
+
+    def logits_hook(module: nn.Module, args: tuple[Tensor, ...], output: object) -> None:
+        logits = output if index is None else output[index]  # type: ignore[index]
+        # reshape, not a data-dependent view: the expert count is fixed at registration.
+        callback(logits.detach().reshape(-1, n_experts))
+
+    return logits_hook
+
+
+def _make_output_hook(
+    callback: TensorCallback,
+) -> Callable[[nn.Module, tuple[Tensor, ...], object], None]:
+    def output_hook(module: nn.Module, args: tuple[Tensor, ...], output: object) -> None:
+        # The output's Python type, not a tensor value: a structural branch.
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        callback(hidden.detach())  # type: ignore[union-attr]
+
+    return output_hook
