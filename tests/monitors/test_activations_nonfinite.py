@@ -10,7 +10,6 @@ from syncless.guard import no_sync
 from syncless.metrics import MetricSet
 from syncless.monitors import attach
 from syncless.monitors.activations import ActivationsMonitor
-from syncless.monitors.adapters import find_layers
 from syncless.monitors.base import MonitorContext
 from syncless.monitors.nonfinite import NonFiniteMonitor
 
