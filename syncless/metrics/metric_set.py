@@ -59,10 +59,11 @@ class MetricSet:
         layer: int | None = None,
         element: str = "i",
         emit_elements: bool = True,
+        derive_global: bool = True,
     ) -> Slot:
         """Declare a metric and return its slot. Declaring the same key twice with the
         same definition returns the same slot; a different definition raises."""
-        spec = MetricSpec(area, name, agg, size, layer, element, emit_elements)
+        spec = MetricSpec(area, name, agg, size, layer, element, emit_elements, derive_global)
         if self._locked:
             raise RuntimeError(
                 f"cannot declare {spec.key!r}: the schema is locked by allocate(). "

@@ -95,6 +95,8 @@ def decode(step: int, host: np.ndarray, specs: list[MetricSpec], offsets: list[t
 
     for gkey, parts in groups.items():
         spec = parts[0][0]
+        if len({p[0].size for p in parts}) > 1:
+            continue  # e.g. MoE layers with different expert counts: no elementwise global
         raws = np.stack([p[1] for p in parts])
         counts = np.stack([p[2] for p in parts])
         present = counts.sum(axis=0) > 0

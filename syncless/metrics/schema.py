@@ -30,6 +30,8 @@ class MetricSpec:
     ``element`` names the elements of a vector metric (``"head"`` gives records
     ``.../qk_logit_max/head_05``); ``emit_elements=False`` keeps a long vector (per
     channel) out of the step records while its summary and the array stay available.
+    ``derive_global=False`` skips the over-layers global (for intermediate values such
+    as sums of squares that only mean something after the monitor derives from them).
     """
 
     area: str
@@ -39,6 +41,7 @@ class MetricSpec:
     layer: int | None = None
     element: str = "i"
     emit_elements: bool = True
+    derive_global: bool = True
 
     def __post_init__(self) -> None:
         if self.agg not in AGGS:
@@ -60,13 +63,15 @@ class MetricSpec:
 
     @property
     def global_key(self) -> str | None:
-        """The derived over-layers key of a layer metric."""
-        return None if self.layer is None else f"{self.area}/global/{self.name}"
+        """The derived over-layers key of a layer metric (None: not derived)."""
+        if self.layer is None or not self.derive_global:
+            return None
+        return f"{self.area}/global/{self.name}"
 
     @property
     def definition(self) -> tuple:
         """What must agree across ranks for the same key."""
-        return (self.agg, self.size, self.element, self.emit_elements)
+        return (self.agg, self.size, self.element, self.emit_elements, self.derive_global)
 
 
 def schema_digest(specs: list[MetricSpec]) -> str:

@@ -1,0 +1,240 @@
+"""MoE router health per layer: expert load and its balance, router z-loss, top-k mass,
+dead experts.
+
+Hot path, once per forward of each MoE layer (the router-logits callback): the top-k
+choice is recomputed from the logits and counted per expert with ``index_add_`` (never
+``bincount``/``one_hot``, which read a maximum back to the host on CUDA), and three
+slots are recorded. Softmax router, fp32 logits: softmax, topk, sum (top-k mass),
+gather + log + sub (logsumexp from the top-1 expert), dot (z-loss), zeros + index_add_
+(counts), then 3 slot adds of 2 kernels each: 15 kernels (+1 cast for bf16 logits).
+
+Everything that needs the whole cluster's load (imbalance, coefficient of variation,
+entropy, dead experts) is derived at flush from the per-expert counts *after* the
+metric core summed them across ranks: the imbalance of the summed counts, not the
+average of each rank's imbalance. See docs/monitors/moe.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from syncless.hot_path import hot_path
+from syncless.metrics import Readout, Slot, layer_scope
+from syncless.monitors.adapters import RouterSite
+from syncless.monitors.base import AREA, MonitorContext
+
+SCORES = ("softmax", "sigmoid")
+
+
+class RouterStats(NamedTuple):
+    """One forward's router statistics, on the device (sums over this rank's tokens)."""
+
+    counts: torch.Tensor  # [n_experts] float64: tokens routed to each expert (k per token)
+    zloss_sum: torch.Tensor  # 0-dim: sum over tokens of logsumexp(logits)^2
+    mass_sum: torch.Tensor  # 0-dim: sum over tokens of the chosen experts' score share
+
+
+class LoadStats(NamedTuple):
+    """Balance of one layer's per-expert token counts (host side, at flush)."""
+
+    imbalance: float  # max / mean; 1 is perfectly balanced, n_experts is one expert only
+    cv: float  # population std / mean; 0 is perfectly balanced
+    entropy_frac: float  # entropy of counts/sum over log(n_experts); 1 is uniform
+
+
+@hot_path
+def router_stats(logits: torch.Tensor, top_k: int, score: str, one: torch.Tensor) -> RouterStats:
+    """Per-expert counts, z-loss sum and top-k mass sum of router logits ``[T, n_experts]``.
+
+    ``top_k`` and ``score`` are the router's static configuration (from the site, never
+    from a tensor); ``one`` is a 0-dim float64 one on the logits' device, expanded as the
+    ``index_add_`` source so counting allocates no ``[T * k]`` ones tensor.
+
+    The top-k *mass* is the share of the token's score mass held by the chosen experts:
+    for softmax that is the sum of the chosen probabilities; for sigmoid scores (which
+    do not sum to one) the chosen scores over the sum of all scores, so both lie in
+    [0, 1] and compare across router types.
+    """
+    x = logits.float()  # a no-op for fp32 logits; the statistics need fp32 under bf16
+    n_experts = x.shape[-1]
+    if score == "softmax":  # a static router property, not a tensor value
+        scores = x.softmax(dim=-1)
+        top, experts = scores.topk(top_k, dim=-1)  # sorted: column 0 is the top-1 expert
+        mass_sum = top.sum()
+        # logsumexp from the top-1 expert: p1 = exp(x1 - lse), so lse = x1 - log(p1).
+        # p1 >= 1/n_experts never underflows; 3 kernels where logsumexp() launches ~5.
+        lse = x.gather(-1, experts[:, :1]).sub_(top[:, :1].log()).view(-1)
+    else:
+        scores = x.sigmoid()
+        top, experts = scores.topk(top_k, dim=-1, sorted=False)
+        mass_sum = (top.sum(dim=-1) / scores.sum(dim=-1)).sum()
+        lse = torch.logsumexp(x, dim=-1)
+    counts = torch.zeros(n_experts, dtype=torch.float64, device=x.device)
+    flat = experts.reshape(-1)
+    counts.index_add_(0, flat, one.expand(flat.shape[0]))
+    return RouterStats(counts, torch.dot(lse, lse), mass_sum)
+
+
+def load_stats(counts: np.ndarray) -> LoadStats:
+    """Imbalance, coefficient of variation and normalised entropy of expert counts."""
+    counts = np.asarray(counts, dtype=np.float64)
+    n = counts.size
+    total = counts.sum()
+    if total <= 0:
+        nan = float("nan")
+        return LoadStats(nan, nan, nan)
+    mean = total / n
+    p = counts / total
+    nz = p[p > 0]  # 0 * log 0 = 0
+    entropy = float(-(nz * np.log(nz)).sum())
+    # One expert is trivially uniform; log(1) = 0 would divide by zero.
+    entropy_frac = entropy / math.log(n) if n > 1 else 1.0
+    return LoadStats(float(counts.max() / mean), float(counts.std() / mean), entropy_frac)
+
+
+@dataclass
+class _DeadWindow:
+    """Per-expert token counts of the last ``size`` flushed steps that had data.
+
+    Keeps a running sum (exact: counts are integers in float64), so each flush costs
+    O(n_experts), not O(window * n_experts).
+    """
+
+    size: int
+    steps: deque[np.ndarray] = field(default_factory=deque)
+    total: np.ndarray | None = None
+
+    def push(self, counts: np.ndarray) -> None:
+        if self.total is None or self.total.shape != counts.shape:
+            self.steps.clear()
+            self.total = np.zeros_like(counts)
+        if len(self.steps) == self.size:
+            self.total -= self.steps.popleft()
+        self.steps.append(counts.copy())
+        self.total += counts
+
+    def dead(self) -> int:
+        """Experts that received no token in any step of the window."""
+        return 0 if self.total is None else int((self.total == 0).sum())
+
+
+@dataclass
+class _RouterLayer:
+    site: RouterSite
+    tokens: Slot
+    zloss: Slot
+    mass: Slot
+    window: _DeadWindow
+
+
+class MoEMonitor:
+    """Router load balance, z-loss, top-k mass and dead experts of every MoE layer.
+
+    ``every``: record every N steps. ``dead_window``: an expert is dead when it received
+    no token in the last ``dead_window`` flushed steps with data (before that many steps
+    were seen, over the steps seen so far; ``monitors/global/moe_dead_window_steps_count``
+    says how many).
+    """
+
+    name = "moe"
+
+    def __init__(self, every: int = 1, dead_window: int = 100) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        if dead_window < 1:
+            raise ValueError(f"dead_window must be >= 1, got {dead_window}")
+        self.every = every
+        self.active = True
+        self.dead_window = dead_window
+        self._layers: list[_RouterLayer] = []
+
+    def prepare(self, ctx: MonitorContext) -> None:
+        for site in ctx.model.routers:
+            if site.score not in SCORES:
+                raise ValueError(
+                    f"MoE monitor: layer {site.layer}'s router scores with {site.score!r}; "
+                    f"supported: {', '.join(SCORES)}"
+                )
+            if not 1 <= site.top_k <= site.n_experts:
+                raise ValueError(
+                    f"MoE monitor: layer {site.layer}'s router has top_k={site.top_k} for "
+                    f"{site.n_experts} experts"
+                )
+            declare = ctx.metrics.declare
+            self._layers.append(
+                _RouterLayer(
+                    site,
+                    tokens=declare(
+                        AREA,
+                        "moe_tokens_count",
+                        "sum",
+                        size=site.n_experts,
+                        layer=site.layer,
+                        element="expert",
+                    ),
+                    zloss=declare(AREA, "moe_router_zloss", "mean", layer=site.layer),
+                    mass=declare(AREA, "moe_topk_prob_mass", "mean", layer=site.layer),
+                    window=_DeadWindow(self.dead_window),
+                )
+            )
+
+    def attach(self, ctx: MonitorContext) -> None:
+        buffer = ctx.metrics.buffer
+        if buffer is None:
+            raise RuntimeError("MoE monitor: attach() before the metric set's allocate()")
+        for layer in self._layers:
+            one = torch.ones((), dtype=torch.float64, device=buffer.device)
+            ctx.handles += layer.site.attach_logits(self._make_logits_hook(layer, one))
+
+    def _make_logits_hook(self, layer: _RouterLayer, one: torch.Tensor):
+        top_k, score = layer.site.top_k, layer.site.score
+        tokens, zloss, mass = layer.tokens, layer.zloss, layer.mass
+
+        @hot_path
+        def record(logits: torch.Tensor) -> None:
+            if not self.active:
+                return
+            n_tokens = logits.shape[0]  # a shape, fixed by the batch: not a tensor value
+            stats = router_stats(logits, top_k, score, one)
+            tokens.add(stats.counts, count=n_tokens)
+            zloss.add(stats.zloss_sum, count=n_tokens)
+            mass.add(stats.mass_sum, count=n_tokens)
+
+        return record
+
+    def derive(self, readout: Readout) -> dict[str, float]:
+        out: dict[str, float] = {}
+        imbalances: list[float] = []
+        dead_total, window_steps = 0, []
+        for layer in self._layers:
+            key = layer.tokens.spec.key
+            if key not in readout.present or not readout.present[key].all():
+                continue  # no forward recorded this layer in the flushed step
+            counts = readout.values[key]  # cluster-wide: summed across ranks already
+            stats = load_stats(counts)
+            layer.window.push(counts)
+            dead = layer.window.dead()
+            scope = f"{AREA}/{layer_scope(layer.site.layer)}"
+            out[f"{scope}/moe_imbalance"] = stats.imbalance
+            out[f"{scope}/moe_load_cv"] = stats.cv
+            out[f"{scope}/moe_utilization_entropy_frac"] = stats.entropy_frac
+            out[f"{scope}/moe_dead_experts_count"] = float(dead)
+            imbalances.append(stats.imbalance)
+            dead_total += dead
+            window_steps.append(len(layer.window.steps))
+        if imbalances:
+            out[f"{AREA}/global/moe_imbalance_mean"] = float(np.mean(imbalances))
+            out[f"{AREA}/global/moe_imbalance_max"] = float(np.max(imbalances))
+            out[f"{AREA}/global/moe_dead_experts_count"] = float(dead_total)
+            # How much history the dead-expert counts rest on (< dead_window early on).
+            out[f"{AREA}/global/moe_dead_window_steps_count"] = float(min(window_steps))
+        return out
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,283 @@
+"""Parameter norm, gradient norm and update/parameter ratio per layer.
+
+No forward hooks: the monitor hooks the optimizer's step. On an active step the
+pre-hook reads every monitored parameter and gradient once with ``_foreach_norm`` (a
+few multi-tensor launches per dtype bucket, not one per tensor), folds the per-tensor
+norms into per-layer sums of squares with one ``index_add_`` and, with
+``update_ratio``, copies the parameters (``_foreach_copy_``); the post-hook subtracts
+the new values from the copy in place and takes its norms the same way. That is this
+monitor's physical floor (read every parameter and gradient, write and read one copy),
+which is why it defaults to every 10 steps.
+
+Cross-rank: a replicated (data-parallel) parameter is identical on every rank, a sharded
+one (expert-parallel experts, tensor-parallel or ZeRO shards) is not. Sums of squares of
+replicated parameters are ``max`` metrics (counted once however many ranks hold them),
+those of sharded parameters ``sum`` metrics (each rank adds its shard); the norms are
+derived at flush as the square root of the totals. See docs/monitors/norms.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from syncless.hot_path import hot_path
+from syncless.metrics import Readout, Slot, layer_scope
+from syncless.monitors.base import AREA, MonitorContext
+
+QUANTITIES = ("param", "grad", "update")
+
+
+def _nothing_sharded(name: str) -> bool:
+    return False
+
+
+@hot_path
+def group_sumsq(norms: list[torch.Tensor], group_ids: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Sum of squared per-tensor norms per group: ``[n_groups]`` float64 on the device.
+
+    ``group_ids[i]`` is the group of ``norms[i]`` (fixed at registration). Float64,
+    because a sum of squares over billions of parameters loses digits in float32.
+    """
+    squares = torch.stack(norms).to(torch.float64).square_()
+    out = torch.zeros(n_groups, dtype=torch.float64, device=group_ids.device)
+    return out.index_add_(0, group_ids, squares)
+
+
+@hot_path
+def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-tensor L2 norms in float32 (one multi-tensor launch per chunk of tensors)."""
+    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+
+
+@hot_path
+def grad_norms(params: list[nn.Parameter], zero: torch.Tensor) -> list[torch.Tensor]:
+    """Norms of the parameters' gradients, ``zero`` where a parameter has none.
+
+    ``p.grad is None`` is Python structure (which parameters took part in backward), not
+    a tensor value, so the branch costs no sync.
+    """
+    grads = [p.grad for p in params]
+    present = [g for g in grads if g is not None]
+    if len(present) == len(grads):
+        return foreach_norms(present)
+    norms = iter(foreach_norms(present) if present else [])
+    return [zero if g is None else next(norms) for g in grads]
+
+
+@dataclass
+class _Group:
+    """The parameters of one layer in one cross-rank class, and their slots."""
+
+    layer: int
+    sharded: bool
+    slots: dict[str, Slot]  # quantity -> slot (no "update" without update_ratio)
+
+
+class NormsMonitor:
+    """Per-layer parameter norm, gradient norm and update ratio, from optimizer hooks.
+
+    ``NormsMonitor(optimizer, every=10, update_ratio=True, is_sharded=None, model=None)``
+
+    - ``optimizer``: the optimizer whose ``step()`` is hooked. Only the mapped layers'
+      parameters that this optimizer holds are measured (frozen ones are skipped).
+    - ``every``: measure on every N-th step (the handle sets ``active``).
+    - ``update_ratio``: also measure ``||p_after - p_before|| / ||p_before||``; costs one
+      transient copy of the monitored parameters on active steps.
+    - ``is_sharded(name) -> bool``: which parameters differ across ranks (default: none).
+      ``name`` is the parameter's name in ``model.named_parameters()`` when ``model`` is
+      given, else ``"layers.<layer index>.<name inside the block>"`` (e.g.
+      ``layers.3.moe.experts.w_up``); ``syncless.demo.parallel.is_expert_param`` works
+      with either.
+    """
+
+    name = "norms"
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        every: int = 10,
+        update_ratio: bool = True,
+        is_sharded: Callable[[str], bool] | None = None,
+        model: nn.Module | None = None,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"NormsMonitor needs the torch.optim.Optimizer whose step() it hooks, got "
+                f"{type(optimizer).__name__}"
+            )
+        self.optimizer = optimizer
+        self.every = every
+        self.active = True
+        self.update_ratio = update_ratio
+        self.is_sharded = is_sharded or _nothing_sharded
+        self.model = model
+        self._groups: list[_Group] = []
+        self._buckets: list[list[nn.Parameter]] = []  # one per dtype, for foreach fast paths
+        self._group_of: list[int] = []  # group index of each parameter, bucket order
+        self._group_ids: torch.Tensor | None = None
+        self._zero: torch.Tensor | None = None
+        self._snapshot: list[list[torch.Tensor]] | None = None
+        self._own_handles: list = []
+        self.unmonitored_params = 0  # optimizer tensors outside every mapped layer
+
+    # -- registration (cold) -----------------------------------------------------------
+
+    def _names(self, ctx: MonitorContext) -> dict[int, str]:
+        if self.model is not None:
+            return {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        names: dict[int, str] = {}
+        for site in ctx.model.layers:
+            for n, p in site.block.named_parameters():
+                names.setdefault(id(p), f"layers.{site.index}.{n}")
+        return names
+
+    def prepare(self, ctx: MonitorContext) -> None:
+        names = self._names(ctx)
+        in_optimizer = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        quantities = QUANTITIES if self.update_ratio else QUANTITIES[:2]
+        members: list[tuple[nn.Parameter, int]] = []
+        monitored: set[int] = set()
+        for site in ctx.model.layers:
+            by_class: dict[bool, list[nn.Parameter]] = {False: [], True: []}
+            seen: set[int] = set()
+            for i, p in enumerate(site.parameters()):
+                if id(p) not in in_optimizer or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                name = names.get(id(p), f"layers.{site.index}.param{i}")
+                by_class[bool(self.is_sharded(name))].append(p)
+            for sharded, params in by_class.items():
+                if not params:
+                    continue
+                agg = "sum" if sharded else "max"
+                suffix = "sharded" if sharded else "replicated"
+                slots = {
+                    q: ctx.metrics.declare(
+                        AREA, f"{q}_sumsq_{suffix}", agg, layer=site.index, derive_global=False
+                    )
+                    for q in quantities
+                }
+                members += [(p, len(self._groups)) for p in params]
+                self._groups.append(_Group(site.index, sharded, slots))
+            monitored |= seen
+        # Static dtype buckets: a foreach op over one dtype and device takes the fused
+        # multi-tensor path; a mixed list falls back to one launch per tensor.
+        buckets: dict[tuple, list[tuple[nn.Parameter, int]]] = {}
+        for p, g in members:
+            buckets.setdefault((p.device, p.dtype), []).append((p, g))
+        self._buckets = [[p for p, _ in b] for b in buckets.values()]
+        self._group_of = [g for b in buckets.values() for _, g in b]
+        self.unmonitored_params = len(in_optimizer - monitored)
+
+    def attach(self, ctx: MonitorContext) -> None:
+        buffer = ctx.metrics.buffer
+        if buffer is None:
+            raise RuntimeError("norms monitor: attach() before the metric set's allocate()")
+        if not self._groups:
+            return
+        device = self._buckets[0][0].device
+        self._group_ids = torch.tensor(self._group_of, dtype=torch.int64, device=device)
+        self._zero = torch.zeros((), dtype=torch.float32, device=device)
+        self._own_handles = [
+            self.optimizer.register_step_pre_hook(self._pre_step),
+            self.optimizer.register_step_post_hook(self._post_step),
+        ]
+        ctx.handles += self._own_handles
+
+    # -- optimizer hooks (hot) ---------------------------------------------------------
+
+    @hot_path
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self.active:
+            return
+        assert self._group_ids is not None and self._zero is not None  # set by attach()
+        with torch.no_grad():
+            p_norms: list[torch.Tensor] = []
+            g_norms: list[torch.Tensor] = []
+            for bucket in self._buckets:
+                p_norms += foreach_norms(bucket)
+                g_norms += grad_norms(bucket, self._zero)
+            n = len(self._groups)
+            self._record("param", group_sumsq(p_norms, self._group_ids, n))
+            self._record("grad", group_sumsq(g_norms, self._group_ids, n))
+            if self.update_ratio:
+                snapshot = []
+                for bucket in self._buckets:
+                    copies = [torch.empty_like(p) for p in bucket]
+                    torch._foreach_copy_(copies, bucket)
+                    snapshot.append(copies)
+                self._snapshot = snapshot
+
+    @hot_path
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is None:  # inactive step, or update_ratio off
+            return
+        assert self._group_ids is not None
+        with torch.no_grad():
+            u_norms: list[torch.Tensor] = []
+            for bucket, copies in zip(self._buckets, snapshot, strict=True):
+                torch._foreach_sub_(copies, bucket)  # in place: before - after, no new copy
+                u_norms += foreach_norms(copies)
+            self._record("update", group_sumsq(u_norms, self._group_ids, len(self._groups)))
+
+    @hot_path
+    def _record(self, quantity: str, sums: torch.Tensor) -> None:
+        for i, group in enumerate(self._groups):
+            group.slots[quantity].record(sums[i])
+
+    # -- flush (cold) ------------------------------------------------------------------
+
+    def derive(self, readout: Readout) -> dict[str, float]:
+        out: dict[str, float] = {}
+        totals = dict.fromkeys(QUANTITIES, 0.0)
+        seen_any = dict.fromkeys(QUANTITIES, False)
+        for layer in dict.fromkeys(g.layer for g in self._groups):
+            sums = _layer_sums(readout, [g for g in self._groups if g.layer == layer])
+            if not sums:
+                continue
+            scope = f"{AREA}/{layer_scope(layer)}"
+            out.update(_norms(scope, sums))
+            for q, v in sums.items():
+                totals[q] += v
+                seen_any[q] = True
+        if seen_any["param"]:
+            out.update(_norms(f"{AREA}/global", {q: totals[q] for q in QUANTITIES if seen_any[q]}))
+            out[f"{AREA}/global/norms_unmonitored_params_count"] = float(self.unmonitored_params)
+        return out
+
+    def close(self) -> None:
+        for h in self._own_handles:
+            h.remove()
+        self._own_handles = []
+        self._snapshot = None
+
+
+def _layer_sums(readout: Readout, groups: list[_Group]) -> dict[str, float]:
+    """Cluster-wide sums of squares of one layer per quantity (classes added up)."""
+    sums: dict[str, float] = {}
+    for group in groups:
+        for q, slot in group.slots.items():
+            key = slot.spec.key
+            if key in readout.present and readout.present[key].all():
+                sums[q] = sums.get(q, 0.0) + float(readout.values[key][0])
+    return sums
+
+
+def _norms(scope: str, sums: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if "param" in sums:
+        out[f"{scope}/param_norm"] = math.sqrt(sums["param"])
+    if "grad" in sums:
+        out[f"{scope}/grad_norm"] = math.sqrt(sums["grad"])
+    if "update" in sums and "param" in sums:
+        p = sums["param"]
+        out[f"{scope}/update_ratio"] = math.sqrt(sums["update"] / p) if p > 0 else math.nan
+    return out
