@@ -72,8 +72,9 @@ class Slot:
         if self.spec.agg == "min":
             value = -value
         # where(), not value + (0 | -inf): a NaN would survive the addition while
-        # recording is off.
-        self._max.clamp_(min=torch.where(self._gate_on, value, self._neg_inf))
+        # recording is off. A Python -inf keeps the value's dtype (a float64 tensor
+        # there would launch a cast kernel first).
+        self._max.clamp_(min=torch.where(self._gate_on, value, -torch.inf))
 
     def record(self, value: torch.Tensor, count: int | torch.Tensor = 1) -> None:
         """``add`` for mean/sum metrics, ``update`` for max/min metrics."""

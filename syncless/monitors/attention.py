@@ -1,0 +1,198 @@
+"""Attention: per layer and head, the max QK logit and the softmax entropy.
+
+Metrics (per layer with attention, one element per query head; docs/monitors/attention.md):
+
+* ``monitors/layer_XX/attn_qk_logit_max`` (max, dimensionless): the largest ``q·k *
+  scale`` over every allowed (query, key) pair, causal mask and sliding window respected.
+* ``monitors/layer_XX/attn_entropy_nats`` (mean, nats): the mean over query rows of the
+  softmax row entropy ``-Σ_j p_ij ln p_ij``, count-weighted across calls and ranks.
+* ``monitors/step/attn_sampled_frac`` (mean, fraction): query rows used / rows seen,
+  over every layer, call and rank; 1.0 means every statistic is exact.
+
+Hot path, per hooked attention forward (exact path, float32 q/k, causal), 13 kernels and
+no sync, no collective: baddbmm (the scale rides in alpha), masked_fill, amax, softmax,
+entr, sum; the max slot's update (fp32 -> fp64 cast, where, clamp); the entropy and
+sampled-fraction slots' adds (addcmul + add each). bf16/fp16 inputs add one cast each.
+Above ``max_elements`` logits the sampled mode uses every ``stride``-th query row (see
+:mod:`syncless.monitors.attention_stats`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from syncless.errors import UsageError
+from syncless.hot_path import hot_path
+from syncless.metrics import Readout, Slot, layer_scope
+from syncless.monitors.adapters import AttentionSite
+from syncless.monitors.attention_stats import (
+    DEFAULT_MAX_ELEMENTS,
+    PlanCache,
+    RowPlan,
+    qk_stats,
+)
+from syncless.monitors.base import AREA, MonitorContext
+
+LOGIT_MAX = "attn_qk_logit_max"
+ENTROPY = "attn_entropy_nats"
+SAMPLED_FRAC = "attn_sampled_frac"
+
+
+class AttentionMonitor:
+    """Max QK logit and attention entropy per layer and query head.
+
+    ``every``: record every N steps. ``max_elements``: the largest ``B * H * n * Lk``
+    logits tensor one hook may materialise (float32, so 4 bytes each, twice at the
+    softmax); above it the query rows are sampled with a stride (docs/monitors/attention.md).
+    """
+
+    name = "attention"
+
+    def __init__(self, every: int = 1, max_elements: int = DEFAULT_MAX_ELEMENTS) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        if max_elements < 1:
+            raise ValueError(f"max_elements must be >= 1, got {max_elements}")
+        self.every = every
+        self.active = True
+        self.max_elements = max_elements
+        self.plans = PlanCache(max_elements)
+        self._recorders: dict[int, _LayerRecorder] = {}
+        self._frac: Slot | None = None
+
+    def prepare(self, ctx: MonitorContext) -> None:
+        for site in ctx.model.attention:
+            _check_site(site)
+            logit_max = ctx.metrics.declare(
+                AREA, LOGIT_MAX, "max", size=site.n_heads, layer=site.layer, element="head"
+            )
+            entropy = ctx.metrics.declare(
+                AREA, ENTROPY, "mean", size=site.n_heads, layer=site.layer, element="head"
+            )
+            self._recorders[site.layer] = _LayerRecorder(self, site, logit_max, entropy)
+        if self._recorders:
+            self._frac = ctx.metrics.declare(AREA, SAMPLED_FRAC, "mean")
+
+    def attach(self, ctx: MonitorContext) -> None:
+        assert self._frac is not None or not self._recorders
+        for site in ctx.model.attention:
+            recorder = self._recorders[site.layer]
+            recorder.frac = self._frac
+            ctx.handles += site.attach_qk(recorder.record)
+
+    def derive(self, readout: Readout) -> dict[str, float]:
+        """The layer with the largest logit, and the lowest head entropy of any layer."""
+        best_layer, best_max, min_entropy = None, -np.inf, np.inf
+        for layer in self._recorders:
+            scope = f"{AREA}/{layer_scope(layer)}"
+            logit_max = readout.get(f"{scope}/{LOGIT_MAX}")
+            if logit_max is not None and not np.all(np.isnan(logit_max)):
+                top = float(np.nanmax(logit_max))
+                if top > best_max:
+                    best_layer, best_max = layer, top
+            entropy = readout.get(f"{scope}/{ENTROPY}")
+            if entropy is not None and not np.all(np.isnan(entropy)):
+                min_entropy = min(min_entropy, float(np.nanmin(entropy)))
+        out: dict[str, float] = {}
+        if best_layer is not None:
+            out[f"{AREA}/global/{LOGIT_MAX}_layer"] = float(best_layer)
+        if np.isfinite(min_entropy):
+            out[f"{AREA}/global/{ENTROPY}_head_min"] = min_entropy
+        return out
+
+    def close(self) -> None:
+        self.plans.clear()
+
+
+def _check_site(site: AttentionSite) -> None:
+    """Static facts the hot path relies on, checked once at registration."""
+    if site.n_kv_heads < 1 or site.n_heads % site.n_kv_heads:
+        raise UsageError(
+            f"attention monitor: layer {site.layer} has {site.n_heads} query heads and "
+            f"{site.n_kv_heads} kv heads; grouped-query attention needs n_heads to be a "
+            "multiple of n_kv_heads (check the adapter's AttentionSite)"
+        )
+    if site.sliding_window is not None and (not site.causal or site.sliding_window < 1):
+        raise UsageError(
+            f"attention monitor: layer {site.layer} has sliding_window="
+            f"{site.sliding_window} with causal={site.causal}; only a causal sliding window "
+            "of at least one key is supported"
+        )
+
+
+class _LayerRecorder:
+    """The qk callback of one layer: its slots, static shape facts and sampling phase."""
+
+    def __init__(
+        self, monitor: AttentionMonitor, site: AttentionSite, logit_max: Slot, entropy: Slot
+    ) -> None:
+        self.monitor = monitor
+        self.layer = site.layer
+        self.n_heads, self.n_kv_heads = site.n_heads, site.n_kv_heads
+        self.head_dim = site.head_dim
+        self.scale = float(site.scale)
+        self.causal, self.window = site.causal, site.sliding_window
+        self.logit_max, self.entropy = logit_max, entropy
+        self.frac: Slot | None = None
+        self.sampled_calls = 0  # rotates the sampling phase; host int, no device state
+
+    @hot_path
+    def record(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        if not self.monitor.active:
+            return
+        self._check_shapes(q, k)
+        batch, _, q_len, _ = q.shape
+        plan = self.monitor.plans.get(
+            batch, self.n_heads, q_len, k.shape[2], self.causal, self.window, q.device
+        )
+        device_type = q.device.type
+        if torch.is_autocast_enabled(device_type):
+            # float32 statistics even when the forward runs under bf16/fp16 autocast.
+            with torch.autocast(device_type, enabled=False):
+                qk_max, entropy_sum, used = self._measure(q, k, plan)
+        else:  # skip the context manager (a few microseconds of host time) when off
+            qk_max, entropy_sum, used = self._measure(q, k, plan)
+        seen = batch * q_len  # query rows per head: the mean's count, from shapes only
+        self.logit_max.update(qk_max)
+        self.entropy.add(entropy_sum, count=seen)
+        assert self.frac is not None, "attach() sets the sampled-fraction slot"
+        self.frac.add(used, count=seen)
+
+    @hot_path
+    def _measure(
+        self, q: torch.Tensor, k: torch.Tensor, plan: RowPlan
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(per-head max logit, per-head entropy sum scaled to all rows, rows used)."""
+        stride = plan.stride
+        if stride == 1:
+            qk_max, entropy_sum = qk_stats(q, k, self.scale, plan.mask)
+            return qk_max, entropy_sum, plan.used_rows[0]
+        # Phase r uses queries r, r + stride, ...: stride consecutive calls of one shape
+        # use every row once, and over the phase each row is used with probability
+        # 1/stride, so scaling the sum by stride (Horvitz-Thompson) makes it an unbiased
+        # estimate of the sum over all rows.
+        phase = self.sampled_calls % stride
+        self.sampled_calls += 1
+        rows = q[:, :, phase::stride]  # a view: the offset is a host int
+        n_rows = rows.shape[2]
+        qk_max, entropy_sum = qk_stats(rows, k, self.scale, plan.sampled_mask(phase, n_rows))
+        return qk_max, entropy_sum * stride, plan.used_rows[plan.rows - n_rows]
+
+    def _check_shapes(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        # Shapes are host metadata: checking them reads nothing from the device.
+        if (
+            q.dim() != 4
+            or k.dim() != 4
+            or q.shape[1] != self.n_heads
+            or k.shape[1] != self.n_kv_heads
+            or q.shape[3] != self.head_dim
+            or k.shape[3] != self.head_dim
+            or k.shape[0] != q.shape[0]
+        ):
+            raise ValueError(
+                f"attention monitor, layer {self.layer}: expected q [B, {self.n_heads}, L, "
+                f"{self.head_dim}] and k [B, {self.n_kv_heads}, S, {self.head_dim}], got "
+                f"q {list(q.shape)} and k {list(k.shape)}; the adapter's AttentionSite "
+                "does not match the module"
+            )
