@@ -149,7 +149,7 @@ def main() -> None:
         print(f"{phase:<14}{ms:>10.1f}{pct:>+9.2f}%")
     monitor_syncs = {k: v for k, v in tool.census_syncs.items() if "monitors" in k}
     print(
-        f"syncs in syncless.monitors during 2 census steps: {sum(monitor_syncs.values())} {monitor_syncs}"
+        f"syncs in syncless.monitors during the census blocks: {sum(monitor_syncs.values())} {monitor_syncs}"
     )
     print(f"one D2H copy per flush: {tool.copies_ok}")
 
