@@ -1,16 +1,25 @@
-"""Step-time overhead of the built-in monitors on the demo, interleaved in one run.
+"""Step-time overhead of the built-in monitors on the demo, measured in one run.
 
-One demo run alternates blocks of steps between phases: monitors off, all monitors at
-their default cadences, each monitor alone at every step, and a naive implementation
-of the same statistics (`.item()` per statistic, one all_reduce per metric). Each
-phase's median step time is compared with the median of the "off" blocks around it,
-so drift over the run cancels. The first `skip` steps of every block are dropped
-(attach and the first flush land there).
+For each phase (all monitors, each monitor alone, the naive implementation) the
+monitors stay attached for a segment of steps and are switched on by the host cadence
+in a period-4 pattern: off, off, ON, off. A monitored step's hooks land in its own
+step time and its flush in the next step's (the demo times a step from one log point
+to the next, and the flush runs after the log), so the cost of one monitored step is
 
-It also checks, on the same run: zero syncs attributed to syncless.monitors (a census
-over two monitored steps) and exactly one D2H copy per flush.
+    (t[ON] + t[ON+1]) - (t[ON-2] + t[ON-1])
 
-    python bench/monitors_overhead.py --preset large --steps-per-block 6 --rounds 2
+relative to the two off steps before it. Pairs that are 2 steps apart cancel the
+slow drift that made block-interleaved runs of the host-bound demo unreadable
+(bench/RESULTS.md, 2026-11-30, d5df34f). The spread of the per-period estimates is
+printed: an overhead inside it is not resolved by the run.
+
+Attached-but-inactive hooks still run (they return at once): that cost is in every
+step of a segment and so is not in the estimate; it is a few Python calls per layer.
+
+It also checks: zero syncs attributed to syncless.monitors (a census over one period
+of the "all" phase) and exactly one D2H copy per flush.
+
+    python bench/monitors_overhead.py --preset large --periods 12
 """
 
 from __future__ import annotations
@@ -32,34 +41,48 @@ from syncless.guard import census
 from syncless.monitors import MONITORS, attach, build
 from syncless.monitors.adapters import find_layers
 
+PERIOD = 4
+ON = 2  # position of the monitored step in the period
+
 
 class OverheadBench:
-    """A DemoTool that switches phases at block boundaries."""
+    """A DemoTool: one segment per phase, monitors on at one step of each period."""
 
     name = "monitors-overhead"
 
-    def __init__(self, schedule: list[str], block: int) -> None:
-        self.schedule, self.block = schedule, block
-        self.phase_of_step: dict[int, str] = {}
+    def __init__(self, phases: list[str], periods: int, warmup: int) -> None:
+        self.phases, self.periods, self.warmup = phases, periods, warmup
+        self.segment = periods * PERIOD
         self.handle = None
         self.naive: NaiveMonitors | None = None
         self.census_syncs: dict[str, int] = {}
         self.copies_ok = True
+        self._census = None
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + len(self.phases) * self.segment
+
+    def phase_at(self, step: int) -> str | None:
+        if step < self.warmup:
+            return None
+        return self.phases[(step - self.warmup) // self.segment]
+
+    def is_on(self, step: int) -> bool:
+        return step >= self.warmup and (step - self.warmup) % PERIOD == ON
 
     def attach(self, ctx: DemoContext) -> None:
         self.ctx = ctx
 
     def _start(self, phase: str) -> None:
         ctx = self.ctx
-        if phase == "off":
-            return
         if phase == "naive":
             self.naive = NaiveMonitors(find_layers(ctx.model))
+            self.naive.active = False
             return
-        names = list(MONITORS) if phase in ("all", "census") else [phase]
-        every = None if phase in ("all", "census") else 1
+        names = list(MONITORS) if phase == "all" else [phase]
         sharded = is_expert_param if ctx.expert_parallel else None
-        monitors = build(names, optimizer=ctx.optimizer, every=every, is_sharded=sharded)
+        monitors = build(names, optimizer=ctx.optimizer, every=1, is_sharded=sharded)
         self.handle = attach(ctx.model, monitors, run=ctx.run)
 
     def _stop(self) -> None:
@@ -73,32 +96,35 @@ class OverheadBench:
             self.naive = None
 
     def step_begin(self, step: int) -> None:
-        phase = self.schedule[(step // self.block) % len(self.schedule)]
-        if step % self.block == 0:
+        phase = self.phase_at(step)
+        if phase is not None and (step - self.warmup) % self.segment == 0:
             self._stop()
             self._start(phase)
-            if phase == "census":
-                self._census = census().__enter__()
-        self.phase_of_step[step] = phase
+        on = self.is_on(step)
+        if self.handle is not None:
+            for m in self.handle.monitors:
+                m.active = on
+        if self.naive is not None:
+            self.naive.active = on
+        # one census over the first monitored period of the "all" phase
+        first_all = (
+            self.warmup + self.phases.index("all") * self.segment if "all" in self.phases else -1
+        )
+        if step == first_all:
+            self._census = census().__enter__()
 
     def step_end(self, step: int) -> None:
-        if self.handle is not None:
-            self.handle.step(step)
-        if self.naive is not None:
-            self._naive_norms()
-        if self.phase_of_step[step] == "census":
+        on = self.is_on(step)
+        if self.handle is not None and on:
+            self.handle.step(step)  # flush only after a monitored step
+        if self.naive is not None and on:
+            self.naive.norms(self.ctx.model)
+        if self._census is not None and step % PERIOD == PERIOD - 1 and not on:
             self._census.step(step)
-            if step % self.block == self.block - 1:
-                self._census.__exit__(None, None, None)
-                for (site, _op), n in self._census.by_site().items():
-                    key = site.display()
-                    self.census_syncs[key] = self.census_syncs.get(key, 0) + n
-
-    def _naive_norms(self) -> None:
-        for name, p in self.ctx.model.named_parameters():
-            self.naive.values[f"{name}/norm"] = p.norm().item()
-            if p.grad is not None:
-                self.naive.values[f"{name}/grad_norm"] = p.grad.norm().item()
+            self._census.__exit__(None, None, None)
+            for (site, _op), n in self._census.by_site().items():
+                self.census_syncs[site.display()] = self.census_syncs.get(site.display(), 0) + n
+            self._census = None
 
     def close(self) -> None:
         self._stop()
@@ -107,63 +133,61 @@ class OverheadBench:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--steps-per-block", type=int, default=6)
-    parser.add_argument("--skip", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--periods", type=int, default=12, help="monitored steps per phase")
+    parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
 
     phases = ["all", *MONITORS, "naive"]
-    schedule = []
-    for p in phases:
-        schedule += ["off", p]
-    schedule += ["off", "census"]
-    steps = len(schedule) * args.steps_per_block * args.rounds
-    tool = OverheadBench(schedule, args.steps_per_block)
-    cfg = preset(args.preset, steps=steps, log_every=1)
+    tool = OverheadBench(phases, args.periods, args.warmup)
+    cfg = preset(args.preset, steps=tool.total_steps, log_every=1)
     with tempfile.TemporaryDirectory() as tmp:
         result = run_demo(cfg, run_dir=Path(tmp) / "run", quiet=True, tools=[tool])
-        times = metric_values(result.run_dir, "demo/step/step_ms")
-
-    by_block: list[tuple[str, float]] = []
-    for b in range(steps // args.steps_per_block):
-        first = b * args.steps_per_block + args.skip
-        last = (b + 1) * args.steps_per_block
-        by_block.append((tool.phase_of_step[first], statistics.median(times[first:last])))
+        t = metric_values(result.run_dir, "demo/step/step_ms")
 
     rows = []
-    for phase in phases:
-        ratios, ms = [], []
-        for i, (p, t) in enumerate(by_block):
-            if p == phase and i > 0 and i + 1 < len(by_block):
-                off = statistics.mean([by_block[i - 1][1], by_block[i + 1][1]])
-                ratios.append(t / off)
-                ms.append(t)
-        pct = [(r - 1) * 100 for r in ratios]
-        rows.append((phase, statistics.median(ms), statistics.median(pct), min(pct), max(pct)))
-    off_ms = statistics.median(t for p, t in by_block if p == "off")
+    off_steps = []
+    for i, phase in enumerate(phases):
+        start = args.warmup + i * tool.segment
+        estimates = []
+        for p in range(1, args.periods):  # the first period of a segment holds attach()
+            on = start + p * PERIOD + ON
+            base = t[on - 2] + t[on - 1]
+            estimates.append(((t[on] + t[on + 1]) - base) / base * 100)
+            off_steps += [t[on - 2], t[on - 1]]
+        q = statistics.quantiles(estimates, n=4)
+        rows.append((phase, statistics.median(estimates), q[0], q[2]))
+    off_ms = statistics.median(off_steps)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"\ndemo {args.preset} on {device}: off {off_ms:.1f} ms/step")
-    # The spread over blocks is the noise floor of this measurement: an overhead inside
-    # it is not resolved by this run.
-    print(f"{'phase':<14}{'ms/step':>10}{'overhead':>10}{'blocks min..max':>22}")
-    for phase, ms, pct, lo, hi in rows:
-        print(f"{phase:<14}{ms:>10.1f}{pct:>+9.2f}%{lo:>+12.1f}%..{hi:+.1f}%")
+    # per-step cost of one monitored step; at the default cadences the stack costs
+    # sum(cost_i / every_i): norms runs every 10 steps, the others every step.
+    every = {m.name: m.every for m in build(list(MONITORS), optimizer=_DummyOpt())}
+    stack = sum(pct / every[p] for p, pct, _, _ in rows if p in every)
+    print(f"\ndemo {args.preset} on {device}: off {off_ms:.1f} ms/step, {args.periods - 1} "
+          "monitored steps per phase")  # fmt: skip
+    print(f"{'phase':<14}{'overhead':>10}{'IQR':>20}")
+    for phase, pct, lo, hi in rows:
+        print(f"{phase:<14}{pct:>+9.2f}%{lo:>+11.2f}%..{hi:+.2f}%")
+    print(f"stack at default cadences (sum of each monitor's cost / every): {stack:+.2f}%")
     monitor_syncs = {k: v for k, v in tool.census_syncs.items() if "monitors" in k}
-    print(
-        f"syncs in syncless.monitors during the census blocks: {sum(monitor_syncs.values())} {monitor_syncs}"
-    )
+    print(f"syncs in syncless.monitors during the census period: {sum(monitor_syncs.values())}")
     print(f"one D2H copy per flush: {tool.copies_ok}")
 
     if not args.no_record:
-        table = "; ".join(f"{p} {pct:+.2f}% ({lo:+.1f}..{hi:+.1f})" for p, _, pct, lo, hi in rows)
+        table = "; ".join(f"{p} {pct:+.2f}% (IQR {lo:+.1f}..{hi:+.1f})" for p, pct, lo, hi in rows)
         append_result(
             "monitors_overhead",
-            f"demo {args.preset} off {off_ms:.1f} ms/step; overhead vs off "
-            f"(interleaved, {args.rounds} rounds x {args.steps_per_block}-step blocks): {table}; "
-            f"monitor syncs {sum(monitor_syncs.values())}; 1 D2H/flush {tool.copies_ok}",
+            f"demo {args.preset} off {off_ms:.1f} ms/step; per monitored step vs the 2 off steps "
+            f"before it ({args.periods - 1} periods/phase): {table}; stack at default cadences "
+            f"{stack:+.2f}%; monitor syncs {sum(monitor_syncs.values())}; "
+            f"1 D2H/flush {tool.copies_ok}",
         )
+
+
+class _DummyOpt(torch.optim.SGD):
+    def __init__(self) -> None:
+        super().__init__([torch.zeros(1, requires_grad=True)], lr=0.0)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ class NaiveMonitors:
     def __init__(self, model_map: ModelMap, thresholds=(20.0, 100.0, 500.0)) -> None:
         self.values: dict[str, float] = {}
         self.handles = []
+        self.active = True
         self.thresholds = thresholds
         for site in model_map.layers:
             i = site.index
@@ -38,6 +39,8 @@ class NaiveMonitors:
 
     def _attention(self, i, att):
         def hook(q, k):
+            if not self.active:
+                return
             k = k.repeat_interleave(att.n_heads // att.n_kv_heads, dim=1)
             logits = (q.float() @ k.float().transpose(-1, -2)) * att.scale
             if att.causal:
@@ -56,6 +59,8 @@ class NaiveMonitors:
 
     def _router(self, i, router):
         def hook(logits):
+            if not self.active:
+                return
             probs = logits.float().softmax(-1)
             top = probs.topk(router.top_k, dim=-1)
             counts = torch.bincount(top.indices.flatten(), minlength=router.n_experts).tolist()
@@ -72,6 +77,8 @@ class NaiveMonitors:
 
     def _output(self, i):
         def hook(hidden):
+            if not self.active:
+                return
             absmax = hidden.abs().flatten(0, -2).amax(0)
             self.values[f"l{i}/act_absmax"] = _reduce(absmax.max().item(), dist.ReduceOp.MAX)
             self.values[f"l{i}/act_median"] = absmax.median().item()
@@ -80,6 +87,13 @@ class NaiveMonitors:
             self.values[f"l{i}/nonfinite"] = _reduce(float((~torch.isfinite(hidden)).sum().item()))
 
         return hook
+
+    def norms(self, model) -> None:
+        """Per-parameter norms with one `.item()` each, after the step."""
+        for name, p in model.named_parameters():
+            self.values[f"{name}/norm"] = _reduce(p.norm().item())
+            if p.grad is not None:
+                self.values[f"{name}/grad_norm"] = _reduce(p.grad.norm().item())
 
     def close(self) -> None:
         for h in self.handles:
