@@ -20,7 +20,7 @@ import torch
 
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot
-from syncless.monitors.base import AREA, MonitorContext
+from syncless.monitors.base import AREA, MonitorContext, check_every
 
 NAME = "act_channel_absmax"
 
@@ -38,9 +38,7 @@ class ActivationsMonitor:
         thresholds: Sequence[float] = (20.0, 100.0, 500.0),
         channel_shard: tuple[int, int] | None = None,
     ) -> None:
-        if every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
-        self.every = every
+        self.every = check_every(every)
         self.active = True
         self.thresholds = tuple(sorted(float(t) for t in thresholds))
         self.channel_shard = channel_shard

@@ -32,7 +32,7 @@ from syncless.monitors.attention_stats import (
     RowPlan,
     qk_stats,
 )
-from syncless.monitors.base import AREA, MonitorContext
+from syncless.monitors.base import AREA, MonitorContext, check_every
 
 LOGIT_MAX = "attn_qk_logit_max"
 ENTROPY = "attn_entropy_nats"
@@ -50,11 +50,9 @@ class AttentionMonitor:
     name = "attention"
 
     def __init__(self, every: int = 1, max_elements: int = DEFAULT_MAX_ELEMENTS) -> None:
-        if every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
         if max_elements < 1:
             raise ValueError(f"max_elements must be >= 1, got {max_elements}")
-        self.every = every
+        self.every = check_every(every)
         self.active = True
         self.max_elements = max_elements
         self.plans = PlanCache(max_elements)

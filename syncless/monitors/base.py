@@ -19,6 +19,13 @@ from syncless.monitors.adapters import ModelMap
 AREA = "monitors"
 
 
+def check_every(every: int) -> int:
+    """A monitor's cadence: a positive number of steps."""
+    if every < 1:
+        raise ValueError(f"every must be >= 1 (record every N steps), got {every}")
+    return every
+
+
 @dataclass
 class MonitorContext:
     """What a monitor gets at ``prepare``/``attach``: the model's map, the shared

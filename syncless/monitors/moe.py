@@ -27,7 +27,7 @@ import torch
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot, layer_scope
 from syncless.monitors.adapters import RouterSite
-from syncless.monitors.base import AREA, MonitorContext
+from syncless.monitors.base import AREA, MonitorContext, check_every
 
 SCORES = ("softmax", "sigmoid")
 
@@ -145,11 +145,9 @@ class MoEMonitor:
     name = "moe"
 
     def __init__(self, every: int = 1, dead_window: int = 100) -> None:
-        if every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
         if dead_window < 1:
             raise ValueError(f"dead_window must be >= 1, got {dead_window}")
-        self.every = every
+        self.every = check_every(every)
         self.active = True
         self.dead_window = dead_window
         self._layers: list[_RouterLayer] = []

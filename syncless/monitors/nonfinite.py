@@ -13,16 +13,14 @@ import torch
 
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot
-from syncless.monitors.base import AREA, MonitorContext
+from syncless.monitors.base import AREA, MonitorContext, check_every
 
 
 class NonFiniteMonitor:
     name = "nonfinite"
 
     def __init__(self, every: int = 1) -> None:
-        if every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
-        self.every = every
+        self.every = check_every(every)
         self.active = True
         self._slots: dict[int, Slot] = {}
         self._alert: Slot | None = None

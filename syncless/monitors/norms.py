@@ -27,7 +27,7 @@ from torch import nn
 
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot, layer_scope
-from syncless.monitors.base import AREA, MonitorContext
+from syncless.monitors.base import AREA, MonitorContext, check_every
 
 QUANTITIES = ("param", "grad", "update")
 
@@ -105,15 +105,13 @@ class NormsMonitor:
         is_sharded: Callable[[str], bool] | None = None,
         model: nn.Module | None = None,
     ) -> None:
-        if every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"NormsMonitor needs the torch.optim.Optimizer whose step() it hooks, got "
                 f"{type(optimizer).__name__}"
             )
         self.optimizer = optimizer
-        self.every = every
+        self.every = check_every(every)
         self.active = True
         self.update_ratio = update_ratio
         self.is_sharded = is_sharded or _nothing_sharded
