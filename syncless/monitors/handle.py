@@ -112,11 +112,14 @@ def attach(
     device: torch.device | str | None = None,
     group: dist.ProcessGroup | None = None,
     lagged: bool = True,
+    layer_offsets: Sequence[int] | None = None,
 ) -> MonitorHandle:
     """Declare every monitor on every model chunk, allocate once, then attach hooks.
 
     ``model`` may be a list of chunks (interleaved pipeline parallel): all chunks are
-    mapped and declared before the single allocate. ``lagged=True`` (default) reads a
+    mapped and declared before the single allocate; ``layer_offsets`` gives each
+    chunk's first global layer (see ``find_layers``), so ranks holding different
+    stages declare different layers and the metric core allocates their union. ``lagged=True`` (default) reads a
     step's values at the next ``step()`` call, so no step waits for its own copy.
     """
     if not monitors:
@@ -124,7 +127,7 @@ def attach(
     names = [m.name for m in monitors]
     if len(set(names)) != len(names):
         raise ValueError(f"each monitor may be attached once; got {names}")
-    model_map = find_layers(model)
+    model_map = find_layers(model, layer_offsets=layer_offsets)
     if device is None:
         first = model[0] if isinstance(model, Sequence) else model
         device = next(first.parameters()).device
