@@ -1,0 +1,112 @@
+"""Clocks for spans: the host clock, CUDA events from a reused pool, or synchronize-then-host.
+
+A timer hands out opaque *tokens* on the hot path (``mark``) and turns pairs of them
+into nanoseconds later (``elapsed_ns``), on the cold path. Only ``EventTimer`` is
+lagged: its tokens are CUDA events whose times are known once the device passed them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import torch
+
+from syncless.hot_path import hot_path
+
+
+class Timer(Protocol):
+    """What the profiler needs from a clock."""
+
+    lagged: bool
+
+    def mark(self) -> Any: ...
+
+    def elapsed_ns(self, start: Any, end: Any) -> float: ...
+
+    def wait(self, token: Any) -> None: ...
+
+    def swap(self) -> None: ...
+
+
+class HostTimer:
+    """``time.perf_counter_ns``: exact for host work and for synchronous (gloo) collectives."""
+
+    lagged = False
+
+    @hot_path
+    def mark(self) -> int:
+        return time.perf_counter_ns()
+
+    def elapsed_ns(self, start: int, end: int) -> float:
+        return float(end - start)
+
+    def wait(self, token: int) -> None:
+        return None
+
+    def swap(self) -> None:
+        return None
+
+
+class SyncTimer(HostTimer):
+    """``sync`` mode: drain the device before every host timestamp.
+
+    Each span then holds its own device work, so the split between sections is right,
+    but the step is serialised: read the split, not the total.
+    """
+
+    @hot_path
+    def mark(self) -> int:
+        torch.cuda.synchronize()  # syncless: ok sync mode serialises by design, opt-in only
+        return time.perf_counter_ns()
+
+
+class EventTimer:
+    """CUDA events from two reused pools (double buffer), recorded on the current stream.
+
+    Step N records into one pool while step N-1's events, in the other pool, are read
+    at the end of step N; after warm-up no event is allocated per span. Nothing on the
+    hot path waits for the device.
+    """
+
+    lagged = True
+
+    def __init__(self) -> None:
+        self._pools: tuple[list[torch.cuda.Event], list[torch.cuda.Event]] = ([], [])
+        self._parity = 0
+        self._cursor = 0
+
+    @hot_path
+    def mark(self) -> torch.cuda.Event:
+        pool = self._pools[self._parity]
+        if self._cursor == len(pool):  # warm-up only: the pool keeps its size afterwards
+            pool.append(torch.cuda.Event(enable_timing=True))
+        event = pool[self._cursor]
+        self._cursor += 1
+        event.record()
+        return event
+
+    def elapsed_ns(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end) * 1e6
+
+    def wait(self, token: torch.cuda.Event) -> None:
+        # Cold path (end_step of the *next* step, or report): usually long complete.
+        token.synchronize()
+
+    def swap(self) -> None:
+        """Start the next step on the other pool (the caller has read that pool's events)."""
+        self._parity ^= 1
+        self._cursor = 0
+
+    @property
+    def pool_size(self) -> int:
+        return len(self._pools[0]) + len(self._pools[1])
+
+
+def make_timer(mode: str, cuda: bool) -> Timer:
+    """The clock for ``mode`` (``events``, ``collectives`` or ``sync``) on this device."""
+    if not cuda:
+        return HostTimer()
+    if mode == "sync":
+        return SyncTimer()
+    return EventTimer()

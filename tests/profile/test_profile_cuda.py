@@ -1,0 +1,58 @@
+"""CUDA paths: event pool reuse, lagged read-back, sync/collectives modes (needs a GPU)."""
+
+import pytest
+import torch
+
+from syncless.guard import no_sync
+from syncless.profile import Profiler
+from syncless.profile.timers import EventTimer, SyncTimer
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _steps(prof, n, x):
+    for s in range(n):
+        with prof.step(s):
+            with prof.section("mm"):
+                y = x @ x
+            with prof.section("copy", "bandwidth", bytes=x.numel() * x.element_size() * 2):
+                z = y.clone()
+            prof.collective("fake", torch.add, z, 1.0)
+
+
+def test_events_mode_pool_stops_growing_and_never_syncs_in_the_step():
+    prof = Profiler(mode="events", report_every=100)
+    assert isinstance(prof._timer, EventTimer)
+    x = torch.randn(256, 256, device="cuda")
+    _steps(prof, 2, x)  # warm-up: both pools filled
+    size = prof._timer.pool_size
+    with no_sync():  # CUDA: also torch's sync debug mode
+        _steps(prof, 5, x)
+    assert prof._timer.pool_size == size
+    rep = prof.report(force=True)
+    assert rep.row("mm").calls_per_step == 1.0
+    assert rep.row("mm").ms_per_step > 0.0
+    assert rep.row("copy").gb_per_s is not None
+    assert rep.row("fake/transfer").calls_per_step == 1.0
+
+
+@pytest.mark.parametrize("mode", ["collectives", "sync"])
+def test_other_modes_report_the_same_rows(mode):
+    prof = Profiler(mode=mode, report_every=3)
+    assert isinstance(prof._timer, SyncTimer) == (mode == "sync")
+    x = torch.randn(128, 128, device="cuda")
+    _steps(prof, 3, x)
+    rep = prof.report()
+    names = {r.name for r in rep.rows}
+    assert {"step", "mm", "copy", "fake", "fake/enqueue", "fake/transfer"} <= names
+    assert rep.values["profile/step/time_ms"] > 0.0
+
+
+def test_calibration_measures_event_and_synchronize():
+    prof = Profiler()
+    cal = prof.calibrate()
+    assert cal.event_record_us is not None and cal.event_record_us > 0
+    assert cal.synchronize_us is not None and cal.synchronize_us > 0
