@@ -53,6 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="record every N steps (default: each monitor's own cadence)",
     )
+    tools.add_argument(
+        "--profile",
+        default=None,
+        metavar="MODE",
+        help="section profiler: events (CUDA events, lagged; host clock on CPU), "
+        "collectives, sync or off",
+    )
+    tools.add_argument(
+        "--profile-every", type=int, default=10, metavar="N", help="report every N steps"
+    )
     add_config_arguments(parser)
 
 
@@ -76,6 +86,15 @@ def build_tools(args: argparse.Namespace) -> list:
         tools.append(MonitorsTool(args.monitors, every=args.monitor_every))
     elif args.monitor_every is not None:
         raise UsageError("--monitor-every needs --monitors")
+    if args.profile is not None:
+        from syncless.demo.profile_tool import ProfileTool
+        from syncless.profile import MODES
+
+        if args.profile not in MODES:
+            raise UsageError(f"--profile {args.profile!r}: expected one of {', '.join(MODES)}")
+        if args.profile_every < 1:
+            raise UsageError(f"--profile-every must be >= 1, got {args.profile_every}")
+        tools.append(ProfileTool(args.profile, report_every=args.profile_every))
     return tools
 
 

@@ -11,7 +11,8 @@ to prove the monitors' hooks sync-free, while ``census()`` still counts it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -75,22 +76,32 @@ class LocalDispatcher:
         return _combine(fn(rows, counts), order, weights)
 
 
+def call_collective(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The default way a dispatcher runs a collective: just run it.
+
+    A profiler replaces it (``dispatcher.comm = prof.collective``) to time each
+    collective as enqueue / rendezvous wait / transfer.
+    """
+    return fn(*args, **kwargs)
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single with autograd: the backward sends gradients the reverse way."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):  # type: ignore[override]
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+    def forward(ctx, x, out_splits, in_splits, group, comm, name):  # type: ignore[override]
+        ctx.splits, ctx.group, ctx.comm, ctx.name = (out_splits, in_splits), group, comm, name
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        comm(name, dist.all_to_all_single, out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
         grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None
+        ctx.comm(f"{ctx.name}_bwd", dist.all_to_all_single, grad_in, grad.contiguous(),
+                 in_splits, out_splits, group=ctx.group)  # fmt: skip
+        return grad_in, None, None, None, None, None
 
 
 class AllToAllDispatcher:
@@ -105,6 +116,7 @@ class AllToAllDispatcher:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.comm: Callable[..., Any] = call_collective
 
     def local_experts(self, n_experts: int) -> int:
         return n_experts // self.world
@@ -120,13 +132,15 @@ class AllToAllDispatcher:
         rows, order, flat = _sort_by_expert(x, experts)  # grouped by expert = by owner rank
         send_counts = _count_per_expert(flat, n_experts)
         recv_counts = torch.empty_like(send_counts)  # [src rank, my local expert]
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        self.comm("moe_counts", dist.all_to_all_single, recv_counts, send_counts, group=self.group)
         with allow_sync("demo baseline: per-layer count drain for all_to_all splits"):
             send, recv = torch.stack((send_counts, recv_counts)).tolist()
         in_splits = [sum(send[r * n_local : (r + 1) * n_local]) for r in range(self.world)]
         out_splits = [sum(recv[r * n_local : (r + 1) * n_local]) for r in range(self.world)]
 
-        received = _AllToAll.apply(rows, out_splits, in_splits, self.group)
+        received = _AllToAll.apply(
+            rows, out_splits, in_splits, self.group, self.comm, "moe_dispatch"
+        )
         # Received rows are grouped by source rank, then by local expert; regroup by expert.
         local_ids = torch.arange(n_local, device=x.device).repeat(self.world)
         local_ids = local_ids.repeat_interleave(recv_counts, output_size=sum(out_splits))
@@ -134,5 +148,7 @@ class AllToAllDispatcher:
         local_counts = [sum(recv[e::n_local]) for e in range(n_local)]
         y_local = fn(received[regroup], local_counts)
         y_received = y_local.new_empty(y_local.shape).index_copy(0, regroup, y_local)
-        y_rows = _AllToAll.apply(y_received, in_splits, out_splits, self.group)
+        y_rows = _AllToAll.apply(
+            y_received, in_splits, out_splits, self.group, self.comm, "moe_combine"
+        )
         return _combine(y_rows, order, weights)

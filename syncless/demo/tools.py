@@ -7,7 +7,7 @@ change the workload except through what it measures.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from rich.console import Console
@@ -30,6 +30,9 @@ class DemoContext:
     run: Run
     console: Console
     expert_parallel: bool
+    # The training loop times its phases through this; a profiling tool replaces the
+    # shared no-op (syncless.profile.OFF) in attach().
+    profiler: Any = None
 
 
 class DemoTool(Protocol):

@@ -22,6 +22,7 @@ from syncless.demo.model import MoETransformer, init_weights
 from syncless.demo.parallel import clip_grad_norm, init_distributed, sync_gradients
 from syncless.demo.progress import LiveView
 from syncless.demo.tools import DemoContext, DemoTool
+from syncless.profile import OFF
 from syncless.run import RankInfo, Run
 
 
@@ -123,9 +124,10 @@ def _train(
         sinks=[view] if view else [],
         flush_interval_s=cfg.flush_interval_s,
     )
-    demo_ctx = DemoContext(cfg, model, optimizer, run, console, expert_parallel)
+    demo_ctx = DemoContext(cfg, model, optimizer, run, console, expert_parallel, OFF)
     for tool in tools:
         tool.attach(demo_ctx)
+    prof = demo_ctx.profiler
 
     result = DemoResult(run.dir)
     tokens_per_step = cfg.batch_size * cfg.seq_len * world
@@ -134,27 +136,31 @@ def _train(
         for step in range(cfg.steps):
             for tool in tools:
                 tool.step_begin(step)
-            inputs, targets = (t.to(device, non_blocking=True) for t in sampler.batch_at(step))
-            with _autocast(cfg, device):
+            with prof.section("data"):
+                inputs, targets = (t.to(device, non_blocking=True) for t in sampler.batch_at(step))
+            with prof.section("forward"), _autocast(cfg, device):
                 logits, balance = model(inputs)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            (loss + cfg.aux_loss_coef * balance).backward()
-            sync_gradients(model, expert_parallel)
-            grad_norm = clip_grad_norm(model, cfg.grad_clip, expert_parallel)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            with prof.section("backward"):
+                (loss + cfg.aux_loss_coef * balance).backward()
+            with prof.section("grad_sync", category="collective"):
+                sync_gradients(model, expert_parallel)
+                grad_norm = clip_grad_norm(model, cfg.grad_clip, expert_parallel)
+            with prof.section("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             lr = schedule.get_last_lr()[0]
             schedule.step()
 
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                prof.begin_section("log", category="sync")
                 # grad_norm is already global (equal on every rank), so the mean keeps it.
                 stats = torch.stack([loss.detach().float(), balance.detach().float(), grad_norm])
                 if world > 1:
                     dist.all_reduce(stats)
                     stats /= world
-                loss_v, balance_v, grad_norm_v = (
-                    stats.tolist()
-                )  # the demo's one read-back per logged step
+                # The demo's one read-back per logged step.
+                loss_v, balance_v, grad_norm_v = stats.tolist()
                 now = time.perf_counter()
                 # Mean over the steps since the last log: a host timer per step would
                 # measure enqueue time, not device time, wherever the host runs ahead.
@@ -172,6 +178,7 @@ def _train(
                         "demo/step/tokens_per_s": tokens_per_step / per_step_s,
                     },
                 )
+                prof.end_section("log")
             for tool in tools:
                 tool.step_end(step)
     finally:
