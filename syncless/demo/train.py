@@ -127,7 +127,6 @@ def _train(
     demo_ctx = DemoContext(cfg, model, optimizer, run, console, expert_parallel, OFF)
     for tool in tools:
         tool.attach(demo_ctx)
-    prof = demo_ctx.profiler
 
     result = DemoResult(run.dir)
     tokens_per_step = cfg.batch_size * cfg.seq_len * world
@@ -136,6 +135,7 @@ def _train(
         for step in range(cfg.steps):
             for tool in tools:
                 tool.step_begin(step)
+            prof = demo_ctx.profiler  # per step: a benchmark may switch profilers between steps
             with prof.section("data"):
                 inputs, targets = (t.to(device, non_blocking=True) for t in sampler.batch_at(step))
             with prof.section("forward"), _autocast(cfg, device):
