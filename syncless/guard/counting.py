@@ -13,6 +13,7 @@ from rich.table import Table
 
 from syncless.guard import _cuda, _session
 from syncless.guard._sites import Site
+from syncless.run.console import print_wide
 from syncless.run.records import StepRecord, check_metric_name
 
 STEP_METRIC = "guard/step/syncs_count"
@@ -176,7 +177,7 @@ class Census:
                 f"{count / steps:.2f}",
             )
         console = console or Console()
-        console.print(table)
+        print_wide(console, table)
         console.print(BLIND_SPOTS, style="dim")
 
 

@@ -28,6 +28,7 @@ from syncless.profile import summary as _summary
 from syncless.profile.calibrate import Calibration, calibrate
 from syncless.profile.table import DISTORTION, render
 from syncless.profile.timers import make_timer
+from syncless.run.console import print_wide
 
 MODES = ("off", "events", "collectives", "sync")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -561,7 +562,7 @@ class Profiler:
         )
         self._reset_window()
         if print_table:
-            (self.console or Console(file=sys.stdout)).print(table)
+            print_wide(self.console or Console(file=sys.stdout), table)
         return rep
 
     def _reset_window(self) -> None:
