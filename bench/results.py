@@ -24,8 +24,9 @@ def commit() -> str:
     if env:
         return env
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    # RESULTS.md itself changes with every append: not a code change.
-    status = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!*RESULTS.md"]
+    # RESULTS.md itself changes with every append: not a code change. Untracked files
+    # count (a new benchmark script is part of what was measured).
+    status = ["git", "status", "--porcelain", "--", ".", ":!*RESULTS.md"]
     dirty = subprocess.run(status, capture_output=True, text=True).stdout.strip()
     return (out.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
 
