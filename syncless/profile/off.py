@@ -5,10 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
-import torch.distributed as dist
-
 from syncless.hot_path import hot_path
+from syncless.profile.wrappers import CollectiveWrappers
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -26,7 +24,7 @@ class _NullContext:
 _NULL = _NullContext()
 
 
-class NullProfiler:
+class NullProfiler(CollectiveWrappers):
     """``Profiler(mode="off")``: same API, no state, no timing, no collectives.
 
     ``section``/``step`` return one shared context object; ``collective`` and the
@@ -65,38 +63,6 @@ class NullProfiler:
         self, name: str, fn: Callable[..., Any], *args: Any, rendezvous: bool = True, **kw: Any
     ) -> Any:
         return fn(*args, **kw)
-
-    def all_reduce(
-        self,
-        tensor: torch.Tensor,
-        *args: Any,
-        name: str = "all_reduce",
-        rendezvous: bool = True,
-        **kw: Any,
-    ) -> Any:
-        return dist.all_reduce(tensor, *args, **kw)
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        *args: Any,
-        name: str = "all_to_all",
-        rendezvous: bool = True,
-        **kw: Any,
-    ) -> Any:
-        return dist.all_to_all_single(output, input, *args, **kw)
-
-    def all_gather_into_tensor(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        *args: Any,
-        name: str = "all_gather",
-        rendezvous: bool = True,
-        **kw: Any,
-    ) -> Any:
-        return dist.all_gather_into_tensor(output, input, *args, **kw)
 
     def calibrate(self) -> None:
         return None

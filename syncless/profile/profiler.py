@@ -28,6 +28,7 @@ from syncless.profile import summary as _summary
 from syncless.profile.calibrate import Calibration, calibrate
 from syncless.profile.table import DISTORTION, render
 from syncless.profile.timers import make_timer
+from syncless.profile.wrappers import CollectiveWrappers
 from syncless.run.console import print_wide
 
 MODES = ("off", "events", "collectives", "sync")
@@ -59,7 +60,7 @@ class _Span:
         self._prof._close(self)
 
 
-class Profiler:
+class Profiler(CollectiveWrappers):
     """Section profiler for training steps. ``Profiler(mode="off")`` is the shared no-op.
 
     Args:
@@ -430,51 +431,6 @@ class Profiler:
         self._host_ns[eid] += fn_ns
         self._self_ns += time.perf_counter_ns() - t_in - fn_ns - rdv_ns
         return out
-
-    @hot_path
-    def all_reduce(
-        self,
-        tensor: torch.Tensor,
-        *args: Any,
-        name: str = "all_reduce",
-        rendezvous: bool = True,
-        **kw: Any,
-    ) -> Any:
-        """``dist.all_reduce`` through ``collective`` (group defaults to the profiler's)."""
-        kw.setdefault("group", self.group)
-        return self.collective(name, dist.all_reduce, tensor, *args, rendezvous=rendezvous, **kw)
-
-    @hot_path
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        *args: Any,
-        name: str = "all_to_all",
-        rendezvous: bool = True,
-        **kw: Any,
-    ) -> Any:
-        """``dist.all_to_all_single`` through ``collective``."""
-        kw.setdefault("group", self.group)
-        return self.collective(
-            name, dist.all_to_all_single, output, input, *args, rendezvous=rendezvous, **kw
-        )
-
-    @hot_path
-    def all_gather_into_tensor(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        *args: Any,
-        name: str = "all_gather",
-        rendezvous: bool = True,
-        **kw: Any,
-    ) -> Any:
-        """``dist.all_gather_into_tensor`` through ``collective``."""
-        kw.setdefault("group", self.group)
-        return self.collective(
-            name, dist.all_gather_into_tensor, output, input, *args, rendezvous=rendezvous, **kw
-        )
 
     # -- report (cold, collective) ------------------------------------------------------
 
