@@ -16,6 +16,10 @@ printed: an overhead inside it is not resolved by the run.
 Attached-but-inactive hooks still run (they return at once): that cost is in every
 step of a segment and so is not in the estimate; it is a few Python calls per layer.
 
+Next to each overhead it prints the monitor's floor: the bytes it must read per
+monitored step (floor_bytes) at the H200's measured copy bandwidth, as a share of the
+off step (meaningful on the H200 only).
+
 It also checks: zero syncs attributed to syncless.monitors (a census over one period
 of the "all" phase) and exactly one D2H copy per flush.
 
@@ -73,6 +77,7 @@ class OverheadBench:
 
     def attach(self, ctx: DemoContext) -> None:
         self.ctx = ctx
+        self.n_params = sum(p.numel() for p in ctx.model.parameters())
 
     def _start(self, phase: str) -> None:
         ctx = self.ctx
@@ -144,6 +149,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         result = run_demo(cfg, run_dir=Path(tmp) / "run", quiet=True, tools=[tool])
         t = metric_values(result.run_dir, "demo/step/step_ms")
+    floors = floor_bytes(cfg, tool.n_params)
 
     rows = []
     off_steps = []
@@ -166,16 +172,25 @@ def main() -> None:
     stack = sum(pct / every[p] for p, pct, _, _ in rows if p in every)
     print(f"\ndemo {args.preset} on {device}: off {off_ms:.1f} ms/step, {args.periods - 1} "
           "monitored steps per phase")  # fmt: skip
-    print(f"{'phase':<14}{'overhead':>10}{'IQR':>20}")
+
+    def floor_pct(phase: str) -> float:
+        nbytes = sum(floors.values()) if phase == "all" else floors.get(phase, 0.0)
+        return nbytes / HBM_BYTES_PER_S * 1e3 / off_ms * 100
+
+    print(f"{'phase':<14}{'overhead':>10}{'IQR':>20}{'HBM floor':>12}")
     for phase, pct, lo, hi in rows:
-        print(f"{phase:<14}{pct:>+9.2f}%{lo:>+11.2f}%..{hi:+.2f}%")
+        floor = f"{floor_pct(phase):.3f}%" if phase != "naive" else ""
+        print(f"{phase:<14}{pct:>+9.2f}%{lo:>+11.2f}%..{hi:+.2f}%{floor:>12}")
     print(f"stack at default cadences (sum of each monitor's cost / every): {stack:+.2f}%")
     monitor_syncs = {k: v for k, v in tool.census_syncs.items() if "monitors" in k}
     print(f"syncs in syncless.monitors during the census period: {sum(monitor_syncs.values())}")
     print(f"one D2H copy per flush: {tool.copies_ok}")
 
     if not args.no_record:
-        table = "; ".join(f"{p} {pct:+.2f}% (IQR {lo:+.1f}..{hi:+.1f})" for p, pct, lo, hi in rows)
+        table = "; ".join(
+            f"{p} {pct:+.2f}% (IQR {lo:+.1f}..{hi:+.1f}, floor {floor_pct(p):.3f}%)"
+            for p, pct, lo, hi in rows
+        )
         append_result(
             "monitors_overhead",
             f"demo {args.preset} off {off_ms:.1f} ms/step; per monitored step vs the 2 off steps "
@@ -183,6 +198,30 @@ def main() -> None:
             f"{stack:+.2f}%; monitor syncs {sum(monitor_syncs.values())}; "
             f"1 D2H/flush {tool.copies_ok}",
         )
+
+
+# Device-to-device copy bandwidth (reads + writes) measured on an H200 with torch 2.11
+# (shared/NOTES.md, 2026-11-30): the rate a monitor's unavoidable bytes move at best.
+HBM_BYTES_PER_S = 4.3e12
+
+
+def floor_bytes(cfg, n_params: int) -> dict[str, float]:
+    """Bytes each monitor must read per monitored step, at the least.
+
+    activations / nonfinite: each layer's output once (fp32 residual stream). attention:
+    q and k once (bf16 on CUDA). moe: the router logits (fp32). norms: every parameter
+    and gradient (fp32) for the norms, plus the snapshot copy (read + write) and the
+    update pass (two reads) for the update ratio.
+    """
+    tokens = cfg.batch_size * cfg.seq_len
+    act = cfg.n_layers * tokens * cfg.d_model * 4
+    return {
+        "activations": act,
+        "nonfinite": act,
+        "attention": cfg.n_layers * tokens * 2 * cfg.d_model * 2,
+        "moe": cfg.n_layers * tokens * cfg.n_experts * 4,
+        "norms": n_params * 4 * (2 + 2 + 2),
+    }
 
 
 class _DummyOpt(torch.optim.SGD):
