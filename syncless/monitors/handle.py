@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 
@@ -33,6 +34,7 @@ class MonitorHandle:
         run: Run | None,
         lagged: bool,
         emit: bool,
+        strict: bool = False,
     ) -> None:
         self.monitors = list(monitors)
         self.ctx = ctx
@@ -42,6 +44,8 @@ class MonitorHandle:
         self.emit = emit
         self.last_records: list[StepRecord] = []
         self.readouts: list[Readout] = []  # the most recent flush's readouts
+        self.strict = strict
+        self.derive_errors: dict[str, int] = {}
         self._host_ms = 0.0
         self._closed = False
         self._set_cadence(0)
@@ -73,16 +77,33 @@ class MonitorHandle:
         for r in readouts:
             records += r.records(name, rank, now)
             for m in self.monitors:
-                for key, value in m.derive(r).items():
+                for key, value in self._derive(m, r).items():
                     records.append(
                         StepRecord(name, r.step, rank, check_metric_name(key), value, now)
                     )
+            for monitor, count in self.derive_errors.items():
+                key = f"{AREA}/self/{monitor}_derive_errors_count"
+                records.append(StepRecord(name, r.step, rank, key, float(count), now))
             # The measurement bills itself: host time of the previous step() call.
             records.append(
                 StepRecord(name, r.step, rank, f"{AREA}/self/flush_host_ms", self._host_ms, now)
             )
         self.readouts = readouts
         return records
+
+    def _derive(self, monitor: Monitor, readout: Readout) -> dict[str, float]:
+        """A monitor's derived values; a failure is counted and reported, not raised
+        into the training step (unless ``strict``)."""
+        try:
+            return monitor.derive(readout)
+        except Exception as e:
+            if self.strict:
+                raise
+            n = self.derive_errors[monitor.name] = self.derive_errors.get(monitor.name, 0) + 1
+            if n == 1:
+                print(f"syncless: monitor {monitor.name} failed to derive ({e!r}); counting "
+                      "further failures", file=sys.stderr)  # fmt: skip
+            return {}
 
     def _publish(self, records: list[StepRecord]) -> None:
         self.last_records = records
@@ -113,14 +134,18 @@ def attach(
     group: dist.ProcessGroup | None = None,
     lagged: bool = True,
     layer_offsets: Sequence[int] | None = None,
+    strict: bool = False,
 ) -> MonitorHandle:
     """Declare every monitor on every model chunk, allocate once, then attach hooks.
 
     ``model`` may be a list of chunks (interleaved pipeline parallel): all chunks are
     mapped and declared before the single allocate; ``layer_offsets`` gives each
     chunk's first global layer (see ``find_layers``), so ranks holding different
-    stages declare different layers and the metric core allocates their union. ``lagged=True`` (default) reads a
-    step's values at the next ``step()`` call, so no step waits for its own copy.
+    stages declare different layers and the metric core allocates their union.
+    ``lagged=True`` (default) reads a step's values at the next ``step()`` call, so no
+    step waits for its own copy. A monitor whose host-side ``derive`` fails is counted
+    (``monitors/self/<name>_derive_errors_count``) and reported once, not raised into
+    the training step, unless ``strict=True``.
     """
     if not monitors:
         raise ValueError("attach() needs at least one monitor")
@@ -138,4 +163,4 @@ def attach(
     for m in monitors:
         m.attach(ctx)
     is_main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-    return MonitorHandle(monitors, ctx, run, lagged, emit=is_main)
+    return MonitorHandle(monitors, ctx, run, lagged, emit=is_main, strict=strict)

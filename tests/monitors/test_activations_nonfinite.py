@@ -147,3 +147,29 @@ class _FakeMap:
     def __init__(self, width):
         self.d_model = width
         self.layers = [_FakeLayer()]
+
+
+class _BrokenDerive(ActivationsMonitor):
+    def derive(self, readout):
+        raise ZeroDivisionError("a bug in derive")
+
+
+def test_a_failing_derive_is_counted_not_raised_unless_strict(capsys):
+    model = _model()
+    handle = attach(model, [_BrokenDerive()], lagged=False)
+    tokens = torch.randint(0, 256, (2, 8))
+    for step in range(2):
+        with no_sync(cpu_as_device=True), torch.no_grad():
+            model(tokens)
+        records = {r.name: r.value for r in handle.step(step)}
+    assert records["monitors/self/activations_derive_errors_count"] == 2
+    assert "monitors/layer_00/act_channel_absmax" in records  # the raw values still land
+    assert "failed to derive" in capsys.readouterr().err
+    handle.close()
+
+    strict = attach(model, [_BrokenDerive()], lagged=False, strict=True)
+    with no_sync(cpu_as_device=True), torch.no_grad():
+        model(tokens)
+    with pytest.raises(ZeroDivisionError):
+        strict.step(0)
+    strict.close()
