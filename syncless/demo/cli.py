@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tools.add_argument(
         "--profile-every", type=int, default=10, metavar="N", help="report every N steps"
     )
+    tools.add_argument(
+        "--profile-trace",
+        action="store_true",
+        help="costly: report every step, per-layer collective rows, and MoE routing ids "
+        "per step under RUN_DIR/trace/routing/",
+    )
     add_config_arguments(parser)
 
 
@@ -94,7 +100,11 @@ def build_tools(args: argparse.Namespace) -> list:
             raise UsageError(f"--profile {args.profile!r}: expected one of {', '.join(MODES)}")
         if args.profile_every < 1:
             raise UsageError(f"--profile-every must be >= 1, got {args.profile_every}")
-        tools.append(ProfileTool(args.profile, report_every=args.profile_every))
+        tools.append(
+            ProfileTool(args.profile, report_every=args.profile_every, trace=args.profile_trace)
+        )
+    elif args.profile_trace:
+        raise UsageError("--profile-trace needs --profile MODE")
     return tools
 
 

@@ -117,6 +117,9 @@ class AllToAllDispatcher:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.comm: Callable[..., Any] = call_collective
+        # Appended to collective names ("moe_dispatch" + label): a per-layer trace sets
+        # it before each layer, and the backward reuses the forward's name.
+        self.label = ""
 
     def local_experts(self, n_experts: int) -> int:
         return n_experts // self.world
@@ -132,14 +135,20 @@ class AllToAllDispatcher:
         rows, order, flat = _sort_by_expert(x, experts)  # grouped by expert = by owner rank
         send_counts = _count_per_expert(flat, n_experts)
         recv_counts = torch.empty_like(send_counts)  # [src rank, my local expert]
-        self.comm("moe_counts", dist.all_to_all_single, recv_counts, send_counts, group=self.group)
+        self.comm(
+            f"moe_counts{self.label}",
+            dist.all_to_all_single,
+            recv_counts,
+            send_counts,
+            group=self.group,
+        )
         with allow_sync("demo baseline: per-layer count drain for all_to_all splits"):
             send, recv = torch.stack((send_counts, recv_counts)).tolist()
         in_splits = [sum(send[r * n_local : (r + 1) * n_local]) for r in range(self.world)]
         out_splits = [sum(recv[r * n_local : (r + 1) * n_local]) for r in range(self.world)]
 
         received = _AllToAll.apply(
-            rows, out_splits, in_splits, self.group, self.comm, "moe_dispatch"
+            rows, out_splits, in_splits, self.group, self.comm, f"moe_dispatch{self.label}"
         )
         # Received rows are grouped by source rank, then by local expert; regroup by expert.
         local_ids = torch.arange(n_local, device=x.device).repeat(self.world)
@@ -149,6 +158,6 @@ class AllToAllDispatcher:
         y_local = fn(received[regroup], local_counts)
         y_received = y_local.new_empty(y_local.shape).index_copy(0, regroup, y_local)
         y_rows = _AllToAll.apply(
-            y_received, in_splits, out_splits, self.group, self.comm, "moe_combine"
+            y_received, in_splits, out_splits, self.group, self.comm, f"moe_combine{self.label}"
         )
         return _combine(y_rows, order, weights)

@@ -11,6 +11,8 @@ def print_wide(console: Console, renderable: RenderableType, min_width: int = 14
     A pipe or a log file reports 80 columns, which folds a wide table's numbers into
     ellipses; a terminal keeps its own width (and any live display keeps working).
     """
+    if console.quiet:
+        return
     if console.is_terminal or console.width >= min_width:
         console.print(renderable)
     else:
