@@ -1,12 +1,14 @@
 """Byte-level text from the Python standard library's own source files.
 
 Every Python install has them, so the demo needs no download. The corpus is the
-sorted list of ``*.py`` files under the stdlib directory, concatenated up to a size
-cap; the same Python version gives the same bytes on every machine.
+``*.py`` files under the stdlib directory in a sorted walk (installed packages and
+test suites left out), concatenated up to a size cap; the same Python version gives
+the same bytes on every machine.
 """
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -15,14 +17,26 @@ import torch
 VOCAB_SIZE = 256  # bytes
 
 
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+
+
+def _stdlib_sources(root: Path) -> list[Path]:
+    """The stdlib's .py files in a stable order, without descending into installed
+    packages: walking site-packages is slow, and a concurrent pip install can remove
+    directories under the walk."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root, onerror=lambda e: None):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        found += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
+    return found
+
+
 def stdlib_corpus(max_bytes: int) -> torch.Tensor:
     """Up to ``max_bytes`` of stdlib source as a uint8 tensor."""
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks: list[bytes] = []
     total = 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts:
-            continue
+    for path in _stdlib_sources(root):
         try:
             data = path.read_bytes()
         except OSError:
