@@ -1,0 +1,1 @@
+"""Observability for key-value tensor transfer clients."""

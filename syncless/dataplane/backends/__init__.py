@@ -1,0 +1,1 @@
+"""Key-value tensor stores: in-process (tests, demo) and TransferQueue."""
