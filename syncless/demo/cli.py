@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="costly: report every step, per-layer collective rows, and MoE routing ids "
         "per step under RUN_DIR/trace/routing/",
     )
+    tools.add_argument(
+        "--dataplane",
+        action="store_true",
+        help="route each step's batch through a key-value store wrapped in "
+        "syncless.dataplane.MetricsClient (put, get with wire digests, clear)",
+    )
     add_config_arguments(parser)
 
 
@@ -105,6 +111,10 @@ def build_tools(args: argparse.Namespace) -> list:
         )
     elif args.profile_trace:
         raise UsageError("--profile-trace needs --profile MODE")
+    if args.dataplane:
+        from syncless.demo.dataplane_tool import DataplaneTool
+
+        tools.append(DataplaneTool())
     return tools
 
 

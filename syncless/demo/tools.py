@@ -6,6 +6,7 @@ change the workload except through what it measures.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,6 +34,8 @@ class DemoContext:
     # The training loop times its phases through this; a profiling tool replaces the
     # shared no-op (syncless.profile.OFF) in attach().
     profiler: Any = None
+    # step -> (inputs, targets) on the host; a data-plane tool routes it through a store.
+    batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class DemoTool(Protocol):

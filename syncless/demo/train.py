@@ -124,7 +124,9 @@ def _train(
         sinks=[view] if view else [],
         flush_interval_s=cfg.flush_interval_s,
     )
-    demo_ctx = DemoContext(cfg, model, optimizer, run, console, expert_parallel, OFF)
+    demo_ctx = DemoContext(
+        cfg, model, optimizer, run, console, expert_parallel, OFF, sampler.batch_at
+    )
     for tool in tools:
         tool.attach(demo_ctx)
 
@@ -137,7 +139,8 @@ def _train(
                 tool.step_begin(step)
             prof = demo_ctx.profiler  # per step: a benchmark may switch profilers between steps
             with prof.section("data"):
-                inputs, targets = (t.to(device, non_blocking=True) for t in sampler.batch_at(step))
+                batch = demo_ctx.batches(step)
+                inputs, targets = (t.to(device, non_blocking=True) for t in batch)
             with prof.section("forward"), _autocast(cfg, device):
                 logits, balance = model(inputs)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

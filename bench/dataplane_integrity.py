@@ -1,0 +1,92 @@
+"""Cost of per-row wire digests on one RL batch: order-aware digests vs XOR fold vs crc32.
+
+One batch = 1536 rows x 4 fp32 fields of [1536, 4360] (26.8 MB each, 107 MB in all), the
+shape of a put in the data plane. Times the three digest schemes of
+``syncless.dataplane.integrity`` in the same run (interleaved, median of repeats) and the
+order-aware digests of the same fields as jagged nested tensors (what a get returns).
+
+    python bench/dataplane_integrity.py [--repeats 7] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import append_result
+
+from syncless.dataplane.integrity import (
+    crc32_digests,
+    row_digests,
+    xor_fold_digests,
+)
+
+ROWS, COLS, FIELDS = 1536, 4360, 4
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_batch(fn: Callable[[torch.Tensor], torch.Tensor], fields: list[torch.Tensor]) -> float:
+    """Seconds to digest every field of the batch (synchronised at the end)."""
+    device = fields[0].device
+    _sync(device)
+    t0 = time.perf_counter()
+    for f in fields:
+        fn(f)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    args = ap.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(0)
+    dense = [torch.randn(ROWS, COLS, generator=gen).to(device) for _ in range(FIELDS)]
+    jag = [torch.nested.nested_tensor(list(f), layout=torch.jagged) for f in dense]
+    batch_mb = sum(f.nbytes for f in dense) / 1e6
+
+    schemes: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]]] = {
+        "row_digests (dense)": (row_digests, dense),
+        "row_digests (jagged)": (row_digests, jag),
+        "xor_fold (hash_tensor)": (xor_fold_digests, dense),
+        "crc32 (host, zlib)": (crc32_digests, dense),
+    }
+    for fn, fields in schemes.values():  # warm-up: allocator, first-touch pages
+        time_batch(fn, fields)
+    times: dict[str, list[float]] = {name: [] for name in schemes}
+    for _ in range(args.repeats):  # interleaved so drift hits every scheme alike
+        for name, (fn, fields) in schemes.items():
+            times[name].append(time_batch(fn, fields))
+
+    med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    xor_ms = med["xor_fold (hash_tensor)"]
+    print(f"batch: {ROWS} rows x {FIELDS} fields fp32 [{ROWS}, {COLS}] = {batch_mb:.1f} MB")
+    print(f"{'scheme':<24}{'ms/batch':>10}{'GB/s':>8}{'x xor':>8}")
+    for name, ms in med.items():
+        print(f"{name:<24}{ms:>10.1f}{batch_mb / ms:>8.2f}{ms / xor_ms:>8.1f}")
+
+    line = (
+        f"{batch_mb:.0f} MB batch ({ROWS} rows x {FIELDS} fp32 fields [{ROWS}, {COLS}]), "
+        f"median of {args.repeats} interleaved: "
+        + "; ".join(f"{name} {ms:.1f} ms" for name, ms in med.items())
+    )
+    if not args.no_record:
+        print(append_result("dataplane_integrity", line))
+
+
+if __name__ == "__main__":
+    main()
