@@ -18,27 +18,11 @@ import time
 import torch
 from results import append_result  # bench/ is on sys.path as a script
 
+from syncless.dataplane.backends.null import NullStore
 from syncless.dataplane.histogram import LogHistogram
 from syncless.dataplane.metrics_client import MetricsClient
 
 KEYS = [f"key-{i:04d}" for i in range(256)]
-
-
-class NoOpStore:
-    def __init__(self, fields):
-        self.fields = fields
-
-    def put(self, partition, keys, fields):
-        pass
-
-    def get(self, partition, keys, fields=None):
-        return dict(self.fields)
-
-    def clear(self, partition, keys):
-        pass
-
-    def list_keys(self, partition):
-        return []
 
 
 def per_call_us(fn, reps: int) -> list[float]:
@@ -51,7 +35,7 @@ def per_call_us(fn, reps: int) -> list[float]:
 
 
 def overhead(fields, reps: int, rounds: int) -> tuple[float, float]:
-    inner = NoOpStore(fields)
+    inner = NullStore(fields)
     client = MetricsClient(inner)
     put_d, get_d = [], []
     for _ in range(rounds):  # interleave wrapped and direct calls against drift

@@ -5,6 +5,7 @@ import torch
 
 from syncless.dataplane import metrics_client as mc
 from syncless.dataplane.backends.memory import InMemoryStore
+from syncless.dataplane.backends.null import NullStore
 from syncless.dataplane.metrics_client import MetricsClient
 from syncless.guard import no_sync
 
@@ -99,30 +100,11 @@ def test_wire_guard_across_writer_and_reader_catches_a_corrupted_row():
             m["dataplane/step/guard/mismatches_count"]) == (6, 1)  # fmt: skip
 
 
-class _NullStore:
-    """Returns prepared fields: isolates the wrapper's own work."""
-
-    def __init__(self, fields):
-        self.fields = fields
-
-    def put(self, partition, keys, fields):
-        pass
-
-    def get(self, partition, keys, fields=None):
-        return dict(self.fields)
-
-    def clear(self, partition, keys):
-        pass
-
-    def list_keys(self, partition):
-        return []
-
-
 def test_wrapper_hot_path_is_sync_free():
     dense = torch.randn(4, 8)
     jagged = torch.nested.nested_tensor([torch.randn(n) for n in (3, 1, 4, 2)],
                                         layout=torch.jagged)  # fmt: skip
-    client = MetricsClient(_NullStore({"d": dense, "j": jagged}), verify_hash=True)
+    client = MetricsClient(NullStore({"d": dense, "j": jagged}), verify_hash=True)
     with no_sync(cpu_as_device=True):
         client.put("p", list("abcd"), {"d": dense, "j": jagged})
         client.get("p", list("abcd"))
