@@ -46,7 +46,7 @@ Event = Callable[[str, str, int, int, float], None]  # op, partition, keys, byte
 
 @dataclass
 class OpCounters:
-    """Cumulative counters of one op; additive across ranks (max takes max)."""
+    """Cumulative counters of one op (``max_ms`` and ``hist`` since the last step)."""
 
     calls: int = 0
     errors: int = 0
@@ -56,16 +56,6 @@ class OpCounters:
     keys: int = 0
     max_ms: float = 0.0  # since the last step()
     hist: LogHistogram = field(default_factory=LogHistogram)  # since the last step()
-
-    def merge(self, other: OpCounters) -> None:
-        self.calls += other.calls
-        self.errors += other.errors
-        self.wall_ns += other.wall_ns
-        self.inner_ns += other.inner_ns
-        self.bytes += other.bytes
-        self.keys += other.keys
-        self.max_ms = max(self.max_ms, other.max_ms)
-        self.hist.merge(other.hist)
 
 
 @dataclass
@@ -148,13 +138,19 @@ class MetricsClient:
                     self.guard.rows_unverified += field_rows(value)
             return out
         if self.verify_hash:
-            self._verify(out)
+            self._verify(out)  # pops the mirrors it checks
+        else:  # a writer digested, this reader does not check: hide the mirrors
+            for name in [n for n in out if n.endswith(DIGEST_SUFFIX)]:
+                del out[name]
         return out
 
     def clear(self, partition: str, keys: Sequence[str]) -> None:
         start = time.perf_counter_ns()
         self._call("clear", partition, keys, 0, start, self.inner.clear, partition, keys)
-        self._release(partition, keys)
+        try:
+            self._release_count(partition, len(keys))
+        except Exception as e:
+            self._accounting_failed("clear", e)
 
     def list_keys(self, partition: str) -> list[str]:
         start = time.perf_counter_ns()
@@ -174,13 +170,10 @@ class MetricsClient:
             inner_ns = time.perf_counter_ns() - inner_start
             counters.inner_ns += inner_ns
         try:
-            if nbytes is None:  # get: count what came back
+            if nbytes is None:  # get: count what came back (the digests are the guard's)
                 nbytes = self._payload_bytes(
                     v for k, v in result.items() if not k.endswith(DIGEST_SUFFIX)
                 )
-                for k in [k for k in result if k.endswith(DIGEST_SUFFIX)]:
-                    if not self.verify_hash:
-                        result.pop(k)
             wall_ns = time.perf_counter_ns() - start
             ms = wall_ns / 1e6
             counters.calls += 1
@@ -205,13 +198,8 @@ class MetricsClient:
             total += n
         return total
 
-    def _release(self, partition: str, keys: Sequence[str]) -> None:
-        try:
-            self._release_count(partition, len(keys))
-        except Exception as e:
-            self._accounting_failed("clear", e)
-
     def _release_count(self, partition: str, n: int) -> None:
+        """Release ``n`` of this partition's keys, pro rata to the bytes held."""
         held = self._held.get(partition)
         if not held or held[0] == 0:
             return

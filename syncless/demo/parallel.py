@@ -31,16 +31,24 @@ def is_expert_param(name: str) -> bool:
     return ".experts." in name
 
 
+def split_grads(
+    model: nn.Module, expert_parallel: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(replicated gradients, expert-sharded gradients); no experts are sharded
+    without expert parallelism."""
+    dense, sharded = [], []
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            (sharded if expert_parallel and is_expert_param(name) else dense).append(p.grad)
+    return dense, sharded
+
+
 def sync_gradients(model: nn.Module, expert_parallel: bool) -> None:
     """Average dense gradients across ranks; rescale sharded expert gradients."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
     world = dist.get_world_size()
-    dense, sharded = [], []
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        (sharded if expert_parallel and is_expert_param(name) else dense).append(p.grad)
+    dense, sharded = split_grads(model, expert_parallel)
     if dense:
         flat = torch.cat([g.reshape(-1) for g in dense])
         dist.all_reduce(flat)
@@ -57,10 +65,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, expert_parallel: bool) -> 
     Under expert parallelism each rank holds different expert gradients, so their
     squared norms are summed across ranks (one scalar all_reduce).
     """
-    dense, sharded = [], []
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            (sharded if expert_parallel and is_expert_param(name) else dense).append(p.grad)
+    dense, sharded = split_grads(model, expert_parallel)
     device = next(model.parameters()).device
     sq = torch.zeros((), device=device)
     if dense:

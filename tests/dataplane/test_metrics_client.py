@@ -109,3 +109,12 @@ def test_wrapper_hot_path_is_sync_free():
         client.put("p", list("abcd"), {"d": dense, "j": jagged})
         client.get("p", list("abcd"))
         client.clear("p", list("abcd"))
+
+
+def test_a_reader_without_the_guard_never_sees_the_digest_mirrors():
+    store = InMemoryStore()
+    MetricsClient(store, verify_hash=True).put("p", ["a", "b"], {"x": torch.ones(2, 3)})
+    reader = MetricsClient(store)
+    out = reader.get("p", ["a", "b"])
+    assert list(out) == ["x"]
+    assert reader.step()["dataplane/step/get/mb"] * 2**20 == torch.ones(2, 3).nbytes
