@@ -37,6 +37,7 @@ import torch
 from naive_monitors import NaiveMonitors  # bench/ is on sys.path as a script
 from results import append_result, metric_values
 
+from syncless import kernels
 from syncless.demo.config import preset
 from syncless.demo.parallel import is_expert_param
 from syncless.demo.tools import DemoContext
@@ -140,10 +141,15 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--periods", type=int, default=12, help="monitored steps per phase")
     parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--kernels", default="auto", choices=kernels.BACKENDS)
+    parser.add_argument(
+        "--phases", default=",".join(["all", *MONITORS, "naive"]), help="comma-separated"
+    )
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
+    kernels.set_backend(args.kernels)
 
-    phases = ["all", *MONITORS, "naive"]
+    phases = args.phases.split(",")
     tool = OverheadBench(phases, args.periods, args.warmup)
     cfg = preset(args.preset, steps=tool.total_steps, log_every=1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,7 +176,10 @@ def main() -> None:
     # sum(cost_i / every_i): norms runs every 10 steps, the others every step.
     every = {m.name: m.every for m in build(list(MONITORS), optimizer=_DummyOpt())}
     stack = sum(pct / every[p] for p, pct, _, _ in rows if p in every)
-    print(f"\ndemo {args.preset} on {device}: off {off_ms:.1f} ms/step, {args.periods - 1} "
+    backend = args.kernels
+    if backend == "auto":
+        backend = "triton" if device == "cuda" and kernels.triton_importable() else "torch"
+    print(f"\ndemo {args.preset} on {device}, {backend} kernels: off {off_ms:.1f} ms/step, {args.periods - 1} "
           "monitored steps per phase")  # fmt: skip
 
     def floor_pct(phase: str) -> float:
@@ -193,7 +202,7 @@ def main() -> None:
         )
         append_result(
             "monitors_overhead",
-            f"demo {args.preset} off {off_ms:.1f} ms/step; per monitored step vs the 2 off steps "
+            f"demo {args.preset}, {backend} kernels, off {off_ms:.1f} ms/step; per monitored step vs the 2 off steps "
             f"before it ({args.periods - 1} periods/phase): {table}; stack at default cadences "
             f"{stack:+.2f}%; monitor syncs {sum(monitor_syncs.values())}; "
             f"1 D2H/flush {tool.copies_ok}",

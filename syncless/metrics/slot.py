@@ -20,13 +20,15 @@ class Slot:
     MAX region (max metrics, and min metrics stored negated).
     """
 
-    __slots__ = ("_count", "_gate", "_gate_on", "_max", "_neg_inf", "_sum", "spec")
+    __slots__ = ("_count", "_gate", "_gate_on", "_max", "_neg_inf", "_sum", "offsets", "spec")
 
     def __init__(self, spec: MetricSpec) -> None:
         self.spec = spec
         self._sum: torch.Tensor | None = None
         self._count: torch.Tensor | None = None
         self._max: torch.Tensor | None = None
+        # (sum, count, max) start indices in the packed buffer, None where absent
+        self.offsets: tuple[int | None, int | None, int | None] | None = None
 
     def bind(
         self,
@@ -38,6 +40,7 @@ class Slot:
     ) -> None:
         n = self.spec.size
         s, c, m = offsets
+        self.offsets = offsets
         self._sum = buffer[s : s + n] if s is not None else None
         self._count = buffer[c : c + n] if c is not None else None
         self._max = buffer[m : m + n] if m is not None else None

@@ -18,8 +18,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from syncless import kernels
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot
+from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.base import AREA, MonitorContext, check_every
 
 NAME = "act_channel_absmax"
@@ -57,16 +59,22 @@ class ActivationsMonitor:
     def attach(self, ctx: MonitorContext) -> None:
         for site in ctx.model.layers:
             slot = self._slots[site.index]
+            column = Column(slot)
             if self.channel_shard is not None:
                 rank, world = self.channel_shard
                 width = slot.spec.size // world
+                column = Column(slot, width=width, start=rank * width)
                 slot = _ShardedSlot(slot, rank * width, width)
-            ctx.handles += site.attach_output(self._make_output_hook(slot))
+            group = SlotGroup(ctx.metrics, [column])
+            ctx.handles += site.attach_output(self._make_output_hook(slot, group))
 
-    def _make_output_hook(self, slot):
+    def _make_output_hook(self, slot, group: SlotGroup):
         @hot_path
         def record(hidden: torch.Tensor) -> None:
             if not self.active:
+                return
+            if kernels.use_triton(hidden):
+                group.fold(kernels.channel_absmax_partials(hidden.detach()), 1)
                 return
             dims = tuple(range(hidden.dim() - 1))
             slot.update(torch.linalg.vector_norm(hidden.detach(), ord=float("inf"), dim=dims))

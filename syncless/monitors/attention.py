@@ -22,9 +22,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from syncless import kernels
 from syncless.errors import UsageError
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot, layer_scope
+from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.adapters import AttentionSite
 from syncless.monitors.attention_stats import (
     DEFAULT_MAX_ELEMENTS,
@@ -77,6 +79,10 @@ class AttentionMonitor:
         for site in ctx.model.attention:
             recorder = self._recorders[site.layer]
             recorder.frac = self._frac
+            recorder.group = SlotGroup(
+                ctx.metrics,
+                [Column(recorder.logit_max), Column(recorder.entropy), Column(self._frac)],
+            )
             ctx.handles += site.attach_qk(recorder.record)
 
     def derive(self, readout: Readout) -> dict[str, float]:
@@ -133,6 +139,7 @@ class _LayerRecorder:
         self.causal, self.window = site.causal, site.sliding_window
         self.logit_max, self.entropy = logit_max, entropy
         self.frac: Slot | None = None
+        self.group: SlotGroup | None = None  # the fused path's fold targets (attach)
         self.sampled_calls = 0  # rotates the sampling phase; host int, no device state
 
     @hot_path
@@ -144,6 +151,15 @@ class _LayerRecorder:
         plan = self.monitor.plans.get(
             batch, self.n_heads, q_len, k.shape[2], self.causal, self.window, q.device
         )
+        seen = batch * q_len  # query rows per head: the mean's count, from shapes only
+        if kernels.use_triton(q) and kernels.qk_supported(q, k):
+            assert self.group is not None, "attach() builds the fold group"
+            phase = self._next_phase(plan)
+            partials = kernels.qk_stats_partials(
+                q, k, self.scale, self.causal, self.window, phase, plan.stride, plan.stride
+            )
+            self.group.fold(partials, seen)
+            return
         device_type = q.device.type
         if torch.is_autocast_enabled(device_type):
             # float32 statistics even when the forward runs under bf16/fp16 autocast.
@@ -151,7 +167,6 @@ class _LayerRecorder:
                 qk_max, entropy_sum, used = self._measure(q, k, plan)
         else:  # skip the context manager (a few microseconds of host time) when off
             qk_max, entropy_sum, used = self._measure(q, k, plan)
-        seen = batch * q_len  # query rows per head: the mean's count, from shapes only
         self.logit_max.update(qk_max)
         self.entropy.add(entropy_sum, count=seen)
         assert self.frac is not None, "attach() sets the sampled-fraction slot"
@@ -170,12 +185,18 @@ class _LayerRecorder:
         # use every row once, and over the phase each row is used with probability
         # 1/stride, so scaling the sum by stride (Horvitz-Thompson) makes it an unbiased
         # estimate of the sum over all rows.
-        phase = self.sampled_calls % stride
-        self.sampled_calls += 1
+        phase = self._next_phase(plan)
         rows = q[:, :, phase::stride]  # a view: the offset is a host int
         n_rows = rows.shape[2]
         qk_max, entropy_sum = qk_stats(rows, k, self.scale, plan.sampled_mask(phase, n_rows))
         return qk_max, entropy_sum * stride, plan.used_rows[plan.rows - n_rows]
+
+    def _next_phase(self, plan: RowPlan) -> int:
+        if plan.stride == 1:
+            return 0
+        phase = self.sampled_calls % plan.stride
+        self.sampled_calls += 1
+        return phase
 
     def _check_shapes(self, q: torch.Tensor, k: torch.Tensor) -> None:
         # Shapes are host metadata: checking them reads nothing from the device.

@@ -24,8 +24,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from syncless import kernels
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot, layer_scope
+from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.adapters import RouterSite
 from syncless.monitors.base import AREA, MonitorContext, check_every
 
@@ -188,17 +190,24 @@ class MoEMonitor:
             raise RuntimeError("MoE monitor: attach() before the metric set's allocate()")
         for layer in self._layers:
             one = torch.ones((), dtype=torch.float64, device=buffer.device)
-            ctx.handles += layer.site.attach_logits(self._make_logits_hook(layer, one))
+            group = SlotGroup(
+                ctx.metrics, [Column(layer.tokens), Column(layer.zloss), Column(layer.mass)]
+            )
+            ctx.handles += layer.site.attach_logits(self._make_logits_hook(layer, one, group))
 
-    def _make_logits_hook(self, layer: _RouterLayer, one: torch.Tensor):
+    def _make_logits_hook(self, layer: _RouterLayer, one: torch.Tensor, group: SlotGroup):
         top_k, score = layer.site.top_k, layer.site.score
         tokens, zloss, mass = layer.tokens, layer.zloss, layer.mass
+        softmax = score == "softmax"
 
         @hot_path
         def record(logits: torch.Tensor) -> None:
             if not self.active:
                 return
             n_tokens = logits.shape[0]  # a shape, fixed by the batch: not a tensor value
+            if kernels.use_triton(logits):
+                group.fold(kernels.router_partials(logits, top_k, softmax), n_tokens)
+                return
             stats = router_stats(logits, top_k, score, one)
             tokens.add(stats.counts, count=n_tokens)
             zloss.add(stats.zloss_sum, count=n_tokens)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from syncless import kernels
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot
+from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.base import AREA, MonitorContext, check_every
 
 
@@ -40,9 +42,11 @@ class NonFiniteMonitor:
 
     def attach(self, ctx: MonitorContext) -> None:
         for site in ctx.model.layers:
-            ctx.handles += site.attach_output(self._make_output_hook(self._slots[site.index]))
+            slot = self._slots[site.index]
+            group = SlotGroup(ctx.metrics, [Column(slot, also_max=self._alert)])
+            ctx.handles += site.attach_output(self._make_output_hook(slot, group))
 
-    def _make_output_hook(self, slot: Slot):
+    def _make_output_hook(self, slot: Slot, group: SlotGroup):
         alert = self._alert
         assert alert is not None
 
@@ -53,6 +57,9 @@ class NonFiniteMonitor:
             # x - x is 0 for every finite x and NaN for NaN and +-inf: 2 kernels, where
             # isfinite().logical_not().sum() decomposes into 6 (abs, ne, eq, mul, ...).
             h = hidden.detach()
+            if kernels.use_triton(h):
+                group.fold(kernels.nonfinite_partials(h), 1)
+                return
             bad = torch.count_nonzero(h - h)
             slot.add(bad)
             alert.update(bad)

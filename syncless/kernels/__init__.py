@@ -1,0 +1,119 @@
+"""Fused Triton kernels for the monitors' hot path, and the choice of when to use them.
+
+Each hooked module records all its statistics in two launches: a *partials* kernel that
+reads the activation once and writes one row of per-block partial results per program
+(``[P, N]`` float32), and :func:`syncless.kernels.fold.fold`, which reduces the partials
+over ``P`` and folds them into the metric set's packed buffer (sums, exact counts and
+maxima of several slots, gated by the device enable flag). The torch fallback in each
+monitor launches 4-15 aten ops per module instead; on a host-bound step every launch is
+host time (bench/RESULTS.md, ``monitor_kernels``).
+
+Backend, from ``SYNCLESS_KERNELS`` or :func:`set_backend`:
+
+* ``auto`` (default): Triton for CUDA tensors when ``triton`` imports, torch otherwise;
+* ``torch``: never Triton (bisecting a kernel bug, or a platform Triton does not support);
+* ``triton``: Triton for every tensor. CPU tensors need the Triton interpreter
+  (``TRITON_INTERPRET=1`` set before the first import of a kernel module): that is how
+  CI, which has no GPU, tests the same kernel code the GPU runs.
+
+Inside ``torch.compile`` the torch path is used: the compiler fuses it itself, and a raw
+Triton launch in a traced hook would break the graph.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+
+_backend = os.environ.get("SYNCLESS_KERNELS", "auto")
+_triton_importable: bool | None = None
+
+
+def _check(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(
+            f"unknown kernel backend {name!r} (from SYNCLESS_KERNELS or set_backend); "
+            f"expected one of {', '.join(BACKENDS)}"
+        )
+    return name
+
+
+def set_backend(name: str) -> None:
+    """Choose ``auto``, ``torch`` or ``triton`` for every monitor from now on."""
+    global _backend
+    _backend = _check(name)
+
+
+def backend() -> str:
+    return _check(_backend)
+
+
+def triton_importable() -> bool:
+    global _triton_importable
+    if _triton_importable is None:
+        _triton_importable = importlib.util.find_spec("triton") is not None
+    return _triton_importable
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in the CPU interpreter (tests without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether the hot path for ``t`` runs the fused Triton kernels (host checks only)."""
+    name = _backend
+    if name == "torch" or torch.compiler.is_compiling():
+        return False
+    if name == "auto":
+        return t.is_cuda and triton_importable()
+    _check(name)
+    if not triton_importable():
+        raise RuntimeError(
+            "SYNCLESS_KERNELS=triton but triton is not installed: pip install triton, or "
+            "use SYNCLESS_KERNELS=auto"
+        )
+    if not t.is_cuda and not interpreting():
+        raise RuntimeError(
+            "SYNCLESS_KERNELS=triton on a CPU tensor needs the Triton interpreter: set "
+            "TRITON_INTERPRET=1 before importing syncless, or use SYNCLESS_KERNELS=auto"
+        )
+    return True
+
+
+def qk_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Dtypes the attention kernel handles (float64 and mixed dtypes take the torch path)."""
+    return q.dtype == k.dtype and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+# The kernel modules import triton (and read TRITON_INTERPRET when they do): import them
+# on first use, so syncless imports without triton and tests can choose the interpreter.
+
+
+def qk_stats_partials(*args: Any, **kwargs: Any) -> torch.Tensor:
+    from syncless.kernels.attention import qk_stats_partials
+
+    return qk_stats_partials(*args, **kwargs)
+
+
+def router_partials(*args: Any, **kwargs: Any) -> torch.Tensor:
+    from syncless.kernels.router import router_partials
+
+    return router_partials(*args, **kwargs)
+
+
+def channel_absmax_partials(x: torch.Tensor) -> torch.Tensor:
+    from syncless.kernels.activations import channel_absmax_partials
+
+    return channel_absmax_partials(x)
+
+
+def nonfinite_partials(x: torch.Tensor) -> torch.Tensor:
+    from syncless.kernels.activations import nonfinite_partials
+
+    return nonfinite_partials(x)

@@ -1,0 +1,91 @@
+"""One read of a layer's output: per-channel max |x|, or the count of NaN/Inf elements.
+
+``channel_absmax_partials``: programs tile ``[rows, channels]``; each reduces
+``rows_per_program`` rows of ``BLOCK_C`` channels to their max |x|, so the partials are
+``[P, C]`` with ``P`` at most ``_MAX_PARTIALS`` (the fold then reads ``P * C`` floats,
+under 1% of a ``[8192, 1024]`` bf16 activation). NaN is not propagated into the max
+(the nonfinite monitor counts it).
+
+``nonfinite_partials``: programs split the flattened tensor; each counts its elements
+that are NaN or +-Inf. Partials ``[P, 1]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from syncless.hot_path import hot_path
+
+_BLOCK_R = 16
+_BLOCK_C = 128
+_MAX_PARTIALS = 128
+_BLOCK = 1024
+_MAX_PROGRAMS = 1024
+
+
+@triton.jit
+def _absmax_kernel(
+    x_ptr, out_ptr, R, C, sxr, ROWS_PER_PROGRAM,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    pr = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    r0 = pr * ROWS_PER_PROGRAM
+    r_end = tl.minimum(r0 + ROWS_PER_PROGRAM, R)
+    for i in range(r0, r_end, BLOCK_R):
+        r = i + tl.arange(0, BLOCK_R)
+        ok = (r < r_end)[:, None] & c_ok[None, :]
+        v = tl.load(x_ptr + r[:, None].to(tl.int64) * sxr + c[None, :], mask=ok, other=0.0)
+        acc = tl.maximum(acc, tl.max(tl.abs(v.to(tl.float32)), axis=0))
+    tl.store(out_ptr + pr.to(tl.int64) * C + c, acc, mask=c_ok)
+
+
+@triton.jit
+def _nonfinite_kernel(x_ptr, out_ptr, n, PER_PROGRAM, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * PER_PROGRAM
+    end = tl.minimum(start + PER_PROGRAM, n)
+    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(start, end, BLOCK):
+        o = i + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + o, mask=o < end, other=0.0).to(tl.float32)
+        bad += ((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(bad, axis=0).to(tl.float32))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, channels]`` with unit channel stride (a copy only if it must)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+@hot_path
+def channel_absmax_partials(x: torch.Tensor) -> torch.Tensor:
+    """Partials ``[P, C]`` of per-channel max |x| over every dimension but the last."""
+    x2 = _rows(x)
+    rows, channels = x2.shape
+    per_program = max(_BLOCK_R, triton.cdiv(rows, _MAX_PARTIALS))
+    per_program = triton.cdiv(per_program, _BLOCK_R) * _BLOCK_R
+    n_partials = triton.cdiv(rows, per_program)
+    out = torch.empty((n_partials, channels), dtype=torch.float32, device=x.device)
+    grid = (n_partials, triton.cdiv(channels, _BLOCK_C))
+    _absmax_kernel[grid](
+        x2, out, rows, channels, x2.stride(0), per_program,
+        BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+    )  # fmt: skip
+    return out
+
+
+@hot_path
+def nonfinite_partials(x: torch.Tensor) -> torch.Tensor:
+    """Partials ``[P, 1]``: NaN/Inf elements of ``x`` per program."""
+    flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().view(-1)
+    n = flat.numel()
+    per_program = triton.cdiv(max(triton.cdiv(n, _MAX_PROGRAMS), 1), _BLOCK) * _BLOCK
+    n_programs = max(1, triton.cdiv(n, per_program))
+    out = torch.empty((n_programs, 1), dtype=torch.float32, device=x.device)
+    _nonfinite_kernel[(n_programs,)](flat, out, n, per_program, BLOCK=_BLOCK)
+    return out

@@ -1,0 +1,83 @@
+"""One launch that folds a module's partial results into several metric slots.
+
+``partials`` is ``[P, N]`` float32: ``P`` partial rows (one per program of the partials
+kernel) of ``N`` columns. ``table`` is ``[3, N]`` int64, per column the buffer index of
+its sum (or -1), of its count (or -1) and of its running max (or -1), built once by
+:class:`syncless.metrics.SlotGroup`. A column with a sum target is reduced over ``P`` by
+a float64 sum (and, if it also has a max target, that sum is what the max sees: a
+per-call count feeding a "largest this step" alert); a column with only a max target
+is reduced by max. The gate (float64 0/1) multiplies sums and counts and, when 0,
+leaves maxima untouched, as the torch slot ops do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from syncless.hot_path import hot_path
+
+_BLOCK_N = 128
+_BLOCK_P = 16
+
+
+@triton.jit
+def _fold_kernel(
+    part_ptr,
+    table_ptr,
+    buf_ptr,
+    gate_ptr,
+    P,
+    N,
+    n_samples,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_range = cols < N
+    sum_idx = tl.load(table_ptr + cols, mask=in_range, other=-1)
+    cnt_idx = tl.load(table_ptr + N + cols, mask=in_range, other=-1)
+    max_idx = tl.load(table_ptr + 2 * N + cols, mask=in_range, other=-1)
+    acc_sum = tl.zeros([BLOCK_N], dtype=tl.float64)
+    acc_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        m = (rows[:, None] < P) & in_range[None, :]
+        v = tl.load(part_ptr + rows[:, None] * N + cols[None, :], mask=m, other=0.0)
+        acc_sum += tl.sum(v.to(tl.float64), axis=0)
+        acc_max = tl.maximum(acc_max, tl.max(tl.where(m, v, float("-inf")), axis=0))
+    gate = tl.load(gate_ptr)
+
+    has_sum = in_range & (sum_idx >= 0)
+    s_ptr = buf_ptr + tl.where(has_sum, sum_idx, 0)
+    tl.store(s_ptr, tl.load(s_ptr, mask=has_sum, other=0.0) + acc_sum * gate, mask=has_sum)
+
+    has_cnt = in_range & (cnt_idx >= 0)
+    c_ptr = buf_ptr + tl.where(has_cnt, cnt_idx, 0)
+    tl.store(c_ptr, tl.load(c_ptr, mask=has_cnt, other=0.0) + n_samples * gate, mask=has_cnt)
+
+    has_max = in_range & (max_idx >= 0)
+    m_ptr = buf_ptr + tl.where(has_max, max_idx, 0)
+    value = tl.where(sum_idx >= 0, acc_sum, acc_max.to(tl.float64))
+    old = tl.load(m_ptr, mask=has_max, other=0.0)
+    tl.store(m_ptr, tl.where(gate != 0.0, tl.maximum(old, value), old), mask=has_max)
+
+
+@hot_path
+def fold(
+    partials: torch.Tensor,
+    table: torch.Tensor,
+    buffer: torch.Tensor,
+    gate: torch.Tensor,
+    n_samples: float,
+) -> None:
+    """Reduce ``partials`` ``[P, N]`` over P and fold them into ``buffer`` (1 launch)."""
+    n_cols = table.shape[1]
+    grid = (triton.cdiv(n_cols, _BLOCK_N),)
+    # n_samples as a float: an int argument would be specialised (== 1, % 16) and
+    # recompile the kernel for a few batch sizes.
+    _fold_kernel[grid](
+        partials, table, buffer, gate, partials.shape[0], n_cols, float(n_samples),
+        BLOCK_P=_BLOCK_P, BLOCK_N=_BLOCK_N,
+    )  # fmt: skip

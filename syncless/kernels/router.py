@@ -1,0 +1,73 @@
+"""MoE router statistics of one forward in one pass over the logits ``[T, E]``.
+
+Per block of ``BLOCK_T`` tokens: scores (softmax or sigmoid), the top-k choice by
+``k`` masked argmaxes (ties go to the lower expert id), per-expert token counts, the
+z-loss sum ``Σ logsumexp(x)^2`` and the top-k mass sum (chosen scores over all scores).
+Partials ``[ceil(T / BLOCK_T), E + 2]``: counts, z-loss sum, mass sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from syncless.hot_path import hot_path
+
+_BLOCK_T = 64
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr, out_ptr, T, E, sxt, sxe,
+    TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    t_ok = t < T
+    e_ok = e < E
+    x = tl.load(
+        x_ptr + t[:, None].to(tl.int64) * sxt + e[None, :] * sxe,
+        mask=t_ok[:, None] & e_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    x = tl.where(e_ok[None, :], x, float("-inf"))
+    row_max = tl.max(x, axis=1)
+    ex = tl.exp(x - row_max[:, None])
+    z = tl.sum(ex, axis=1)
+    lse = row_max + tl.log(z)
+    if SOFTMAX:
+        scores = ex / z[:, None]
+        total = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
+    else:
+        scores = tl.where(e_ok[None, :], tl.sigmoid(x), 0.0)
+        total = tl.sum(scores, axis=1)
+    # Scores are >= 0: -1 marks padding experts, -2 experts already chosen.
+    work = tl.where(e_ok[None, :], scores, -1.0)
+    chosen = tl.zeros([BLOCK_T], dtype=tl.float32)
+    counts = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for _ in tl.static_range(TOP_K):
+        best = tl.argmax(work, axis=1)
+        hit = e[None, :] == best[:, None]
+        chosen += tl.max(work, axis=1)
+        counts += tl.sum((hit & t_ok[:, None]).to(tl.float32), axis=0)
+        work = tl.where(hit, -2.0, work)
+    out_row = out_ptr + pid.to(tl.int64) * (E + 2)
+    tl.store(out_row + e, counts, mask=e_ok)
+    tl.store(out_row + E, tl.sum(tl.where(t_ok, lse * lse, 0.0), axis=0))
+    tl.store(out_row + E + 1, tl.sum(tl.where(t_ok, chosen / total, 0.0), axis=0))
+
+
+@hot_path
+def router_partials(logits: torch.Tensor, top_k: int, softmax: bool) -> torch.Tensor:
+    """Partials ``[ceil(T / 64), E + 2]`` of router logits ``[T, E]``."""
+    n_tokens, n_experts = logits.shape
+    n_blocks = triton.cdiv(n_tokens, _BLOCK_T)
+    out = torch.empty((n_blocks, n_experts + 2), dtype=torch.float32, device=logits.device)
+    _router_kernel[(n_blocks,)](
+        logits, out, n_tokens, n_experts, *logits.stride(),
+        TOP_K=top_k, SOFTMAX=softmax, BLOCK_T=_BLOCK_T,
+        BLOCK_E=max(2, triton.next_power_of_2(n_experts)),
+    )  # fmt: skip
+    return out

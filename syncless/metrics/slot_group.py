@@ -1,0 +1,92 @@
+"""The slots one hooked module records, folded from one partials tensor in one launch.
+
+A fused monitor kernel writes ``[P, N]`` float32 partials whose columns are, in order,
+the elements of the group's :class:`Column` s. :meth:`SlotGroup.fold` reduces them and
+updates every slot at once (:mod:`syncless.kernels.fold`): the module's whole record is
+two launches, however many statistics it has, instead of 2-3 per slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from syncless.hot_path import hot_path
+from syncless.metrics.metric_set import MetricSet
+from syncless.metrics.slot import Slot
+
+
+@dataclass(frozen=True)
+class Column:
+    """``width`` partials columns feeding one slot.
+
+    ``slot``: a mean/sum slot (columns summed over partial rows, each element's count
+    advanced by the fold's ``n_samples``) or a max slot (columns reduced by max).
+    ``also_max``: a max slot that additionally receives the summed value (a per-call
+    count feeding a "largest this step" alert). ``start``: the first element of
+    ``slot`` these columns write (a tensor-parallel shard writes its slice).
+    """
+
+    slot: Slot
+    width: int | None = None
+    start: int = 0
+    also_max: Slot | None = None
+
+
+class SlotGroup:
+    """Buffer targets of a module's columns, as a ``[3, N]`` device table built once."""
+
+    def __init__(self, metrics: MetricSet, columns: list[Column]) -> None:
+        if metrics.buffer is None:
+            raise RuntimeError("SlotGroup needs an allocated MetricSet: allocate() first")
+        self.buffer = metrics.buffer
+        self.gate = metrics.gate
+        sums: list[int] = []
+        counts: list[int] = []
+        maxima: list[int] = []
+        for col in columns:
+            spec = col.slot.spec
+            width = spec.size - col.start if col.width is None else col.width
+            if col.start < 0 or col.start + width > spec.size:
+                raise ValueError(
+                    f"column [{col.start}, {col.start + width}) is outside metric "
+                    f"{spec.key!r} of size {spec.size}"
+                )
+            s, c, m = _offsets(col.slot)
+            if spec.agg == "min":
+                raise ValueError(f"metric {spec.key!r}: min metrics are not foldable")
+            elements = range(col.start, col.start + width)
+            if spec.agg == "max":
+                sums += [-1] * width
+                counts += [-1] * width
+                maxima += [m + e for e in elements]
+                continue
+            sums += [s + e for e in elements]
+            counts += [c + e for e in elements]
+            if col.also_max is None:
+                maxima += [-1] * width
+            else:
+                alert = _offsets(col.also_max)[2]
+                if col.also_max.spec.agg != "max" or col.also_max.spec.size != width:
+                    raise ValueError(
+                        f"also_max needs a max metric of size {width}, got "
+                        f"{col.also_max.spec.key!r}"
+                    )
+                maxima += [alert + i for i in range(width)]
+        self.width = len(sums)
+        self.table = torch.tensor([sums, counts, maxima], dtype=torch.int64).to(self.buffer.device)
+
+    @hot_path
+    def fold(self, partials: torch.Tensor, n_samples: float) -> None:
+        """Fold ``partials`` ``[P, width]`` into the slots; counts advance by ``n_samples``."""
+        from syncless.kernels.fold import fold
+
+        fold(partials, self.table, self.buffer, self.gate, n_samples)
+
+
+def _offsets(slot: Slot) -> tuple[int, int, int]:
+    if slot.offsets is None:
+        raise RuntimeError(f"metric {slot.spec.key!r} is not allocated: allocate() first")
+    s, c, m = slot.offsets
+    return (-1 if s is None else s, -1 if c is None else c, -1 if m is None else m)
