@@ -1,10 +1,13 @@
 """Step-time overhead of the built-in monitors on the demo's train step, in one run.
 
 The workload is the demo's training step (the demo model and preset, bf16 autocast on
-CUDA, AdamW, clipping, loss read back each step) in a tight loop over batches already
-on the device: the demo's data loader, live view and log thread added step-to-step
-noise of +-10% on the H200 (bench/RESULTS.md, fae1201), ten times the 1% this
-measures. Monitor records still go to a Run with its Parquet sink: emitting them is
+CUDA, AdamW, clipping, loss read back each step) in a tight loop over one batch already
+on the device, with a zero learning rate: every step then does exactly the same work.
+Run through the demo itself (data loader, log thread, changing batches and routing),
+off steps of the large preset ranged from 205 to 390 ms on the H200 and the
+period-4 estimates had an interquartile range of +-10% (bench/RESULTS.md, fae1201 and
+d551bcf), ten times the 1% this measures; cycling 8 batches also aligned batches with
+the period. Monitor records still go to a Run with its Parquet sink: emitting them is
 part of the cost. Garbage collection stays on (monitors allocate; collections are
 theirs to pay), with the setup's objects frozen out of it.
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import tempfile
 import time
@@ -57,7 +61,6 @@ from syncless.run import Run
 
 PERIOD = 4
 ON = 2  # position of the monitored step in the period
-N_BATCHES = 8
 
 
 class TrainStep:
@@ -68,15 +71,15 @@ class TrainStep:
         self.model = MoETransformer(cfg).to(device)
         init_weights(self.model, cfg.seed)
         fused = {"fused": True} if device.type == "cuda" else {}
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, **fused)
+        # lr 0: AdamW does all its work but the weights, hence routing, never change.
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.0, **fused)
         g = torch.Generator().manual_seed(cfg.seed)
         shape = (cfg.batch_size, cfg.seq_len + 1)
-        self.batches = [torch.randint(0, 256, shape, generator=g).to(device) for _ in range(N_BATCHES)]  # fmt: skip
+        self.batch = torch.randint(0, 256, shape, generator=g).to(device)
         self.bf16 = device.type == "cuda"
 
     def __call__(self, step: int) -> float:
-        batch = self.batches[step % N_BATCHES]
-        inputs, targets = batch[:, :-1], batch[:, 1:]
+        inputs, targets = self.batch[:, :-1], self.batch[:, 1:]
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             logits, balance = self.model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -159,6 +162,7 @@ def main() -> None:
     parser.add_argument(
         "--phases", default=",".join(["all", *MONITORS, "naive"]), help="comma-separated"
     )
+    parser.add_argument("--dump", help="write every phase's per-step times (s) to this JSON")
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
     kernels.set_backend(args.kernels)
@@ -175,16 +179,19 @@ def main() -> None:
     gc.collect()
     gc.freeze()  # the setup's objects leave the collector's generations
     stats: dict = {}
-    rows, off_steps = [], []
+    rows, off_steps, dumped = [], [], {}
     with tempfile.TemporaryDirectory() as tmp:
         run = Run(name="monitors-overhead", run_dir=Path(tmp) / "run")
         for phase in phases:
             times = run_phase(phase, train, run, args.periods, args.warmup, stats)
+            dumped[phase] = times
             est = estimates(times)
             q = statistics.quantiles(est, n=4)
             rows.append((phase, statistics.median(est), q[0], q[2]))
             off_steps += [t for i, t in enumerate(times) if i % PERIOD in (0, 1)]
         run.close()
+    if args.dump:
+        Path(args.dump).write_text(json.dumps(dumped))
     off_ms = statistics.median(off_steps) * 1e3
     n_params = sum(p.numel() for p in train.model.parameters())
     floors = floor_bytes(cfg, n_params)

@@ -25,7 +25,8 @@ _BLOCK = 1024
 _MAX_PROGRAMS = 1024
 
 
-@triton.jit
+# Row counts vary with the batch: not specialised (no mid-run recompile).
+@triton.jit(do_not_specialize=["R", "ROWS_PER_PROGRAM"])
 def _absmax_kernel(
     x_ptr, out_ptr, R, C, sxr, ROWS_PER_PROGRAM,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -44,7 +45,7 @@ def _absmax_kernel(
     tl.store(out_ptr + pr.to(tl.int64) * C + c, acc, mask=c_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "PER_PROGRAM"])
 def _nonfinite_kernel(x_ptr, out_ptr, n, PER_PROGRAM, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * PER_PROGRAM
     end = tl.minimum(start + PER_PROGRAM, n)

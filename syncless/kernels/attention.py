@@ -25,7 +25,10 @@ _BLOCK_M = 64
 _BLOCK_N = 64
 
 
-@triton.jit
+# Batch-dependent sizes and the rotating phase are not specialised: Triton would
+# compile a new variant (~100 ms, seen on the H200) for phase == 1 or a size that is a
+# multiple of 16 the first time one appears, in the middle of training.
+@triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW", "phase", "stride"])
 def _qk_stats_kernel(
     q_ptr, k_ptr, out_ptr,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd,

@@ -22,7 +22,9 @@ _BLOCK_N = 128
 _BLOCK_P = 16
 
 
-@triton.jit
+# Sizes that change with the batch are not specialised (Triton would compile a variant
+# for a value of 1 or a multiple of 16 the first time it sees one, mid-run: ~100 ms).
+@triton.jit(do_not_specialize=["P"])
 def _fold_kernel(
     part_ptr,
     table_ptr,

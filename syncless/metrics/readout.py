@@ -10,6 +10,7 @@ numpy passes over flat arrays plus one list comprehension per record kind.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,7 +39,6 @@ class Layout:
 
     def __init__(self, specs: list[MetricSpec], offsets: list[tuple]) -> None:
         self.specs = specs
-        self.spec_keys = [s.key for s in specs]  # a property building a string: once here
         sizes = [s.size for s in specs]
         self.n_elements = sum(sizes)
         self.starts = np.cumsum([0, *sizes[:-1]]).astype(np.int64)
@@ -85,6 +85,32 @@ class Layout:
         self.element_names = names
         self.emit_element = np.array(emit, dtype=bool)
         self.key_specs = dict(entries)
+        self.slices = {
+            key: (start, start + spec.size)
+            for (key, spec), start in zip(entries, self.key_starts.tolist(), strict=True)
+        }
+
+
+class _FlatView(Mapping[str, np.ndarray]):
+    """``key -> array`` views into one flat array, sliced on access (no per-flush dict)."""
+
+    __slots__ = ("_flat", "_slices")
+
+    def __init__(self, flat: np.ndarray, slices: dict[str, tuple[int, int]]) -> None:
+        self._flat, self._slices = flat, slices
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        start, end = self._slices[key]
+        return self._flat[start:end]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slices
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._slices)
+
+    def __len__(self) -> int:
+        return len(self._slices)
 
 
 @dataclass
@@ -98,9 +124,9 @@ class Readout:
     """
 
     step: int
-    values: dict[str, np.ndarray] = field(default_factory=dict)
-    present: dict[str, np.ndarray] = field(default_factory=dict)
-    specs: dict[str, MetricSpec] = field(default_factory=dict)
+    values: Mapping[str, np.ndarray] = field(default_factory=dict)
+    present: Mapping[str, np.ndarray] = field(default_factory=dict)
+    specs: Mapping[str, MetricSpec] = field(default_factory=dict)
     layout: Layout | None = None
     flat_values: np.ndarray | None = None  # specs' then globals' elements (Layout order)
     flat_present: np.ndarray | None = None
@@ -169,16 +195,6 @@ def decode(step: int, host: np.ndarray, layout: Layout) -> Readout:
     count = np.where(layout.has_count, count_raw, present.astype(np.float64))
     summed = np.where(layout.has_count, raw, value)  # what a global over layers combines
 
-    out = Readout(step, layout=layout)
-    for key, spec, start in zip(
-        layout.spec_keys, layout.specs, layout.starts.tolist(), strict=True
-    ):
-        end = start + spec.size
-        out.values[key], out.present[key], out.specs[key] = (
-            value[start:end],
-            present[start:end],
-            spec,
-        )
     g_values, g_present = [], []
     for g in layout.globals:
         raws, counts = summed[g.index], count[g.index]
@@ -191,9 +207,16 @@ def decode(step: int, host: np.ndarray, layout: Layout) -> Readout:
             fill = -np.inf if agg == "max" else np.inf
             masked = np.where(counts > 0, raws, fill)  # a NaN in a present layer propagates
             gv = masked.max(axis=0) if agg == "max" else masked.min(axis=0)
-        out.values[g.key], out.present[g.key], out.specs[g.key] = gv, g_count > 0, g.spec
         g_values.append(gv)
         g_present.append(g_count > 0)
-    out.flat_values = np.concatenate([value, *g_values])
-    out.flat_present = np.concatenate([present, *g_present])
-    return out
+    flat_values = np.concatenate([value, *g_values])
+    flat_present = np.concatenate([present, *g_present])
+    return Readout(
+        step,
+        values=_FlatView(flat_values, layout.slices),
+        present=_FlatView(flat_present, layout.slices),
+        specs=layout.key_specs,
+        layout=layout,
+        flat_values=flat_values,
+        flat_present=flat_present,
+    )
