@@ -1,15 +1,9 @@
 """Step-time overhead of the built-in monitors on the demo's train step, in one run.
 
-The workload is the demo's training step (the demo model and preset, bf16 autocast on
-CUDA, AdamW, clipping, loss read back each step) in a tight loop over one batch already
-on the device, with a zero learning rate: every step then does exactly the same work.
-Run through the demo itself (data loader, log thread, changing batches and routing),
-off steps of the large preset ranged from 205 to 390 ms on the H200 and the
-period-4 estimates had an interquartile range of +-10% (bench/RESULTS.md, fae1201 and
-d551bcf), ten times the 1% this measures; cycling 8 batches also aligned batches with
-the period. Monitor records still go to a Run with its Parquet sink: emitting them is
-part of the cost. Garbage collection stays on (monitors allocate; collections are
-theirs to pay), with the setup's objects frozen out of it.
+The workload is bench/train_step.py: the demo's training step in a tight loop, every
+step the same work (why: see there). Monitor records still go to a Run with its
+Parquet sink: emitting them is part of the cost. Garbage collection stays on (monitors
+allocate; collections are theirs to pay), with the setup's objects frozen out of it.
 
 For each phase (all monitors, each monitor alone, the naive implementation) the
 monitors stay attached for a segment of steps and are switched on by the host cadence
@@ -46,48 +40,16 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from naive_monitors import NaiveMonitors  # bench/ is on sys.path as a script
 from results import append_result
+from train_step import ON, PERIOD, TrainStep, low_percentile_ratio, paired_estimates
 
 from syncless import kernels
 from syncless.demo.config import preset
-from syncless.demo.model import MoETransformer, init_weights
-from syncless.demo.parallel import clip_grad_norm
 from syncless.guard import census
 from syncless.monitors import MONITORS, attach, build
 from syncless.monitors.adapters import find_layers
 from syncless.run import Run
-
-PERIOD = 4
-ON = 2  # position of the monitored step in the period
-
-
-class TrainStep:
-    """The demo's training step on fixed device batches; returns after the loss read."""
-
-    def __init__(self, cfg, device: torch.device) -> None:
-        self.cfg, self.device = cfg, device
-        self.model = MoETransformer(cfg).to(device)
-        init_weights(self.model, cfg.seed)
-        fused = {"fused": True} if device.type == "cuda" else {}
-        # lr 0: AdamW does all its work but the weights, hence routing, never change.
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.0, **fused)
-        g = torch.Generator().manual_seed(cfg.seed)
-        shape = (cfg.batch_size, cfg.seq_len + 1)
-        self.batch = torch.randint(0, 256, shape, generator=g).to(device)
-        self.bf16 = device.type == "cuda"
-
-    def __call__(self, step: int) -> float:
-        inputs, targets = self.batch[:, :-1], self.batch[:, 1:]
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            logits, balance = self.model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        (loss + self.cfg.aux_loss_coef * balance).backward()
-        clip_grad_norm(self.model, self.cfg.grad_clip, False)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.item()  # the demo's one read-back per step
 
 
 def run_phase(
@@ -141,18 +103,6 @@ def run_phase(
     return times
 
 
-def estimates(times: list[float]) -> list[float]:
-    """Per-period overhead (%) of the ON step and its flush against the 2 off steps."""
-    out = []
-    for p in range(len(times) // PERIOD):
-        on = p * PERIOD + ON
-        if on + 1 >= len(times):
-            break
-        base = times[on - 2] + times[on - 1]
-        out.append(((times[on] + times[on + 1]) - base) / base * 100)
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="tiny")
@@ -185,9 +135,9 @@ def main() -> None:
         for phase in phases:
             times = run_phase(phase, train, run, args.periods, args.warmup, stats)
             dumped[phase] = times
-            est = estimates(times)
+            est = paired_estimates(times)
             q = statistics.quantiles(est, n=4)
-            rows.append((phase, statistics.median(est), q[0], q[2]))
+            rows.append((phase, statistics.median(est), q[0], q[2], low_percentile_ratio(times)))
             off_steps += [t for i, t in enumerate(times) if i % PERIOD in (0, 1)]
         run.close()
     if args.dump:
@@ -198,7 +148,8 @@ def main() -> None:
 
     # per-step cost at the default cadences: sum(cost_i / every_i) (norms every 10).
     every = {m.name: m.every for m in build(list(MONITORS), optimizer=_DummyOpt())}
-    stack = sum(pct / every[p] for p, pct, _, _ in rows if p in every)
+    stack = sum(pct / every[p] for p, pct, _, _, _ in rows if p in every)
+    stack_p10 = sum(p10 / every[p] for p, _, _, _, p10 in rows if p in every)
     print(f"\ndemo {args.preset} train step on {device.type}, {backend} kernels: off "
           f"{off_ms:.1f} ms/step, {args.periods} monitored steps per phase")  # fmt: skip
 
@@ -206,27 +157,34 @@ def main() -> None:
         nbytes = sum(floors.values()) if phase == "all" else floors.get(phase, 0.0)
         return nbytes / HBM_BYTES_PER_S * 1e3 / off_ms * 100
 
-    print(f"{'phase':<14}{'overhead':>10}{'IQR':>20}{'HBM floor':>12}{'flush host':>12}")
+    print(
+        f"{'phase':<14}{'overhead':>10}{'IQR':>20}{'p10 ratio':>11}{'HBM floor':>12}{'flush host':>12}"
+    )
     flush_ms = stats.get("flush_host_ms", {})
-    for phase, pct, lo, hi in rows:
+    for phase, pct, lo, hi, p10 in rows:
         floor = f"{floor_pct(phase):.3f}%" if phase != "naive" else ""
         host = f"{flush_ms[phase]:.2f} ms" if phase in flush_ms else ""
-        print(f"{phase:<14}{pct:>+9.2f}%{lo:>+11.2f}%..{hi:+.2f}%{floor:>12}{host:>12}")
-    print(f"stack at default cadences (sum of each monitor's cost / every): {stack:+.2f}%")
+        print(
+            f"{phase:<14}{pct:>+9.2f}%{lo:>+11.2f}%..{hi:+.2f}%{p10:>+10.2f}%{floor:>12}{host:>12}"
+        )
+    print(f"stack at default cadences (sum of each monitor's cost / every): {stack:+.2f}% "
+          f"(from p10 ratios {stack_p10:+.2f}%)")  # fmt: skip
     syncs = stats.get("monitor_syncs", 0)
     print(f"syncs in syncless.monitors during the census period: {syncs}")
     print(f"one D2H copy per flush: {stats.get('copies_ok')}")
 
     if not args.no_record:
         table = "; ".join(
-            f"{p} {pct:+.2f}% (IQR {lo:+.2f}..{hi:+.2f}, floor {floor_pct(p):.3f}%)"
-            for p, pct, lo, hi in rows
+            f"{p} {pct:+.2f}% (IQR {lo:+.2f}..{hi:+.2f}, p10 ratio {p10:+.2f}%, floor "
+            f"{floor_pct(p):.3f}%)"
+            for p, pct, lo, hi, p10 in rows
         )
         append_result(
             "monitors_overhead",
             f"demo {args.preset} train step (tight loop), {backend} kernels, off {off_ms:.1f} "
             f"ms/step; per monitored step vs the 2 off steps before it ({args.periods} "
-            f"periods/phase): {table}; stack at default cadences {stack:+.2f}%; monitor "
+            f"periods/phase): {table}; stack at default cadences {stack:+.2f}% (p10 ratios "
+            f"{stack_p10:+.2f}%); monitor "
             f"syncs {syncs}; 1 D2H/flush {stats.get('copies_ok')}",
         )
 

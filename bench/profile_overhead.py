@@ -1,35 +1,41 @@
-"""Section profiler overhead on the demo, per mode, against off, in one run.
+"""Section profiler overhead on the demo's train step, per mode, against off, in one run.
 
-The profiler is switched per step in a repeating cycle (off, events, off, sync, off,
-megatron): each profiled step is compared with the mean of the off steps on both sides,
-so drift cancels. "megatron" is a synchronize-per-span timer in the style of
-Megatron-LM's timers (torch.cuda.synchronize() at every start and stop, host clock),
-the comparison the issue asks for. Sections are the demo's (`syncless demo --profile`):
-loop phases, per-module sections in the forward, and under expert parallelism the
-dispatch collectives.
+The workload is bench/train_step.py (the demo's training step in a tight loop, every
+step the same work). Sections: forward / backward / optimizer / log around the loop
+phases and one per attention, router and experts module in the forward (forward
+hooks), the demo's `--profile` layout on one GPU. "megatron" is a synchronize-per-span
+timer in the style of Megatron-LM's timers (torch.cuda.synchronize() at every start
+and stop, host clock), the comparison the issue asks for.
 
-    python bench/profile_overhead.py --preset large --cycles 12
+Steps run in periods of four: off, off, MODE, off, the mode rotating over events,
+sync and megatron from one period to the next. A profiled step's cost is
+
+    (t[ON] + t[ON+1]) - (t[ON-2] + t[ON-1])
+
+relative to the two off steps before it (the step after carries any lagged work).
+Printed: median and IQR of those estimates, and the ratio of 10th percentiles (host
+jitter only adds time).
+
+    python bench/profile_overhead.py --preset large --periods 90
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-from results import append_result, metric_values  # bench/ is on sys.path as a script
+from results import append_result  # bench/ is on sys.path as a script
 from torch import nn
+from train_step import ON, PERIOD, TrainStep, low_percentile_ratio, paired_estimates
 
 from syncless.demo.config import preset
 from syncless.demo.model import Attention, Experts, Router
-from syncless.demo.tools import DemoContext
-from syncless.demo.train import run_demo
 from syncless.profile import OFF, Profiler
 
-CYCLE = ["off", "events", "off", "sync", "off", "megatron"]
+MODES = ["events", "sync", "megatron"]
 
 
 class MegatronTimers:
@@ -72,90 +78,83 @@ class MegatronTimers:
         pass
 
 
-class SwitchingTool:
-    name = "profile-overhead"
+def hook_sections(train: TrainStep) -> list:
+    """Sections around every attention, router and experts forward."""
+    names = {Attention: "attention", Router: "router", Experts: "experts"}
+    handles = []
+    for module in train.model.modules():
+        name = names.get(type(module))
+        if name is None:
+            continue
 
-    def __init__(self) -> None:
-        self.handles: list = []
-        self.phase_of_step: dict[int, str] = {}
+        def begin(_m: nn.Module, _a, name: str = name) -> None:
+            train.profiler.begin_section(name)
 
-    def attach(self, ctx: DemoContext) -> None:
-        self.ctx = ctx
-        self.profilers = {
-            "off": OFF,
-            "events": Profiler(mode="events", report_every=10**9, console=ctx.console),
-            "sync": Profiler(mode="sync", report_every=10**9, console=ctx.console),
-            "megatron": MegatronTimers(),
-        }
-        names = {Attention: "attention", Router: "router", Experts: "experts"}
-        for module in ctx.model.modules():
-            if type(module) in names:
-                self._hook(module, names[type(module)])
+        def end(_m: nn.Module, _a, _o, name: str = name) -> None:
+            train.profiler.end_section(name)
 
-    def _hook(self, module: nn.Module, name: str) -> None:
-        def begin(_m, _a):
-            self.ctx.profiler.begin_section(name)
-
-        def end(_m, _a, _o):
-            self.ctx.profiler.end_section(name)
-
-        self.handles += [module.register_forward_pre_hook(begin), module.register_forward_hook(end)]
-
-    def step_begin(self, step: int) -> None:
-        phase = CYCLE[step % len(CYCLE)]
-        self.phase_of_step[step] = phase
-        self.ctx.profiler = self.profilers[phase]
-        self.ctx.profiler.begin_step(step)
-
-    def step_end(self, step: int) -> None:
-        self.ctx.profiler.end_step()
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
+        handles += [module.register_forward_pre_hook(begin), module.register_forward_hook(end)]
+    return handles
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--cycles", type=int, default=12)
-    parser.add_argument("--warmup-cycles", type=int, default=2)
+    parser.add_argument("--periods", type=int, default=30, help="periods in all (modes rotate)")
+    parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = preset(args.preset)
+    train = TrainStep(cfg, device)
+    profilers = {
+        "off": OFF,
+        "events": Profiler(mode="events", report_every=10**9),
+        "sync": Profiler(mode="sync", report_every=10**9),
+        "megatron": MegatronTimers(),
+    }
+    handles = hook_sections(train)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for step in range(3):
+        train(step)
+    gc.collect()
+    gc.freeze()
+    last = time.perf_counter()
+    for i in range(args.warmup + args.periods * PERIOD):
+        period, pos = divmod(i - args.warmup, PERIOD)
+        mode = MODES[period % len(MODES)]
+        prof = profilers[mode] if i >= args.warmup and pos == ON else OFF
+        train.profiler = prof
+        prof.begin_step(i)
+        train(i)
+        prof.end_step()
+        now = time.perf_counter()
+        if i >= args.warmup:
+            times[mode].append(now - last)
+        last = now
+    for h in handles:
+        h.remove()
 
-    tool = SwitchingTool()
-    steps = (args.cycles + args.warmup_cycles) * len(CYCLE) + 1
-    cfg = preset(args.preset, steps=steps, log_every=1)
-    with tempfile.TemporaryDirectory() as tmp:
-        result = run_demo(cfg, run_dir=Path(tmp) / "run", quiet=True, tools=[tool])
-        t = metric_values(result.run_dir, "demo/step/step_ms")
-
-    # A step's measured time also holds the previous step's end_step (the demo times
-    # from log to log), so a profiled step s is charged t[s] + t[s + 1] - 2 * off.
-    first = args.warmup_cycles * len(CYCLE)
-    est: dict[str, list[float]] = {"events": [], "sync": [], "megatron": []}
-    off = []
-    for s in range(first, steps - 2):
-        phase = tool.phase_of_step[s]
-        if phase == "off":
-            off.append(t[s])
-            continue
-        base = (t[s - 1] + t[s + 2]) / 2  # the off steps around the profiled pair
-        est[phase].append(((t[s] + t[s + 1]) - 2 * base) / base * 100)
-    off_ms = statistics.median(off)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"\ndemo {args.preset} on {device}: off {off_ms:.1f} ms/step, {args.cycles} cycles")
+    all_off = [t for m in MODES for j, t in enumerate(times[m]) if j % PERIOD in (0, 1)]
+    off_ms = statistics.median(all_off) * 1e3
+    print(f"\ndemo {args.preset} train step on {device.type}: off {off_ms:.1f} ms/step, "
+          f"{args.periods} periods")  # fmt: skip
     rows = []
-    for mode, values in est.items():
-        q = statistics.quantiles(values, n=4)
-        rows.append((mode, statistics.median(values), q[0], q[2]))
-        print(f"{mode:<10}{rows[-1][1]:>+9.2f}%   IQR {q[0]:+.2f}%..{q[2]:+.2f}%")
+    for mode in MODES:
+        est = paired_estimates(times[mode])
+        q = statistics.quantiles(est, n=4)
+        rows.append((mode, statistics.median(est), q[0], q[2], low_percentile_ratio(times[mode])))
+        print(f"{mode:<10}{rows[-1][1]:>+9.2f}%   IQR {q[0]:+.2f}%..{q[2]:+.2f}%   "
+              f"p10 ratio {rows[-1][4]:+.2f}%")  # fmt: skip
     if not args.no_record:
-        table = "; ".join(f"{m} {p:+.2f}% (IQR {lo:+.1f}..{hi:+.1f})" for m, p, lo, hi in rows)
+        table = "; ".join(
+            f"{m} {p:+.2f}% (IQR {lo:+.1f}..{hi:+.1f}, p10 ratio {p10:+.2f}%)"
+            for m, p, lo, hi, p10 in rows
+        )
         append_result(
             "profile_overhead",
-            f"demo {args.preset} off {off_ms:.1f} ms/step; profiled step vs off neighbours "
-            f"({args.cycles} cycles): {table}",
+            f"demo {args.preset} train step (tight loop) off {off_ms:.1f} ms/step; profiled "
+            f"step vs the 2 off steps before it ({args.periods} periods, modes rotating): {table}",
         )
 
 

@@ -1,0 +1,83 @@
+"""The demo's training step in a tight loop: the workload of the overhead benchmarks.
+
+The demo model and preset, bf16 autocast on CUDA, AdamW, clipping and the loss read
+back each step, over one batch already on the device with a zero learning rate, so
+every step does exactly the same work. Run through the demo itself (data loader, log
+thread, changing batches and routing), off steps of the large preset ranged from 205
+to 390 ms on the H200 (bench/RESULTS.md, fae1201 and d551bcf); the residual spread
+here is the host's own (about +-15% between the 5th and 95th percentile on the
+H200's host, dc2abca), which is why the benchmarks also print low-percentile ratios.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from syncless.demo.model import MoETransformer, init_weights
+from syncless.demo.parallel import clip_grad_norm
+from syncless.profile import OFF
+
+
+class TrainStep:
+    """The demo's training step on fixed device batches; returns after the loss read."""
+
+    def __init__(self, cfg, device: torch.device) -> None:
+        self.cfg, self.device = cfg, device
+        self.model = MoETransformer(cfg).to(device)
+        init_weights(self.model, cfg.seed)
+        fused = {"fused": True} if device.type == "cuda" else {}
+        # lr 0: AdamW does all its work but the weights, hence routing, never change.
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.0, **fused)
+        g = torch.Generator().manual_seed(cfg.seed)
+        shape = (cfg.batch_size, cfg.seq_len + 1)
+        self.batch = torch.randint(0, 256, shape, generator=g).to(device)
+        self.bf16 = device.type == "cuda"
+        self.profiler: Any = OFF  # a benchmark may switch profilers between steps
+
+    def __call__(self, step: int) -> float:
+        prof = self.profiler
+        inputs, targets = self.batch[:, :-1], self.batch[:, 1:]
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+        with prof.section("forward"), autocast:
+            logits, balance = self.model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        with prof.section("backward"):
+            (loss + self.cfg.aux_loss_coef * balance).backward()
+        with prof.section("optimizer"):
+            clip_grad_norm(self.model, self.cfg.grad_clip, False)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        with prof.section("log", category="sync"):
+            return loss.item()  # the demo's one read-back per step
+
+
+PERIOD = 4
+ON = 2  # position of the measured (switched-on) step in each period: off, off, ON, off
+
+
+def paired_estimates(times: list[float]) -> list[float]:
+    """Per period: cost (%) of the ON step and the step after it (which carries its
+    lagged work) against the two off steps before it; pairs 2 steps apart cancel drift."""
+    out = []
+    for p in range(len(times) // PERIOD):
+        on = p * PERIOD + ON
+        if on + 1 >= len(times):
+            break
+        base = times[on - 2] + times[on - 1]
+        out.append(((times[on] + times[on + 1]) - base) / base * 100)
+    return out
+
+
+def low_percentile_ratio(times: list[float], q: float = 10.0) -> float:
+    """Cost (%) from the q-th percentiles of the ON pairs and the off pairs.
+
+    Host jitter only ever adds time, so low percentiles approach the jitter-free step
+    and this ratio is steadier than the median of paired estimates on a noisy host.
+    """
+    on = [times[i] + times[i + 1] for i in range(ON, len(times) - 1, PERIOD)]
+    off = [times[i - 2] + times[i - 1] for i in range(ON, len(times) - 1, PERIOD)]
+    return (float(np.percentile(on, q)) / float(np.percentile(off, q)) - 1) * 100
