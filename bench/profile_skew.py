@@ -74,8 +74,23 @@ def main() -> None:
         return
     import subprocess
 
+    # --nproc stays here: torchrun would read it as an abbreviation of its own
+    # --nproc-per-node, even after the script name.
+    forwarded = [
+        "--delay-ms",
+        str(args.delay_ms),
+        "--size-mb",
+        str(args.size_mb),
+        "--mode",
+        args.mode,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        *(["--no-record"] if args.no_record else []),
+    ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={args.nproc}", __file__, "--worker", *sys.argv[1:]]  # fmt: skip
+           f"--nproc-per-node={args.nproc}", __file__, "--worker", *forwarded]  # fmt: skip
     sys.exit(subprocess.call(cmd))
 
 
