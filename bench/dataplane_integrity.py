@@ -3,7 +3,9 @@
 One batch = 1536 rows x 4 fp32 fields of [1536, 4360] (26.8 MB each, 107 MB in all), the
 shape of a put in the data plane. Times the three digest schemes of
 ``syncless.dataplane.integrity`` in the same run (interleaved, median of repeats) and the
-order-aware digests of the same fields as jagged nested tensors (what a get returns).
+order-aware digests of the same fields as jagged nested tensors: rows of one length (what
+a get returns for a dense put) and rows of varied lengths (uniform in [L/2, 3L/2), about
+the same bytes; the general jagged path).
 
     python bench/dataplane_integrity.py [--repeats 7] [--no-record]
 """
@@ -47,6 +49,16 @@ def time_batch(fn: Callable[[torch.Tensor], torch.Tensor], fields: list[torch.Te
     return time.perf_counter() - t0
 
 
+def varied_rows(field: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``field``'s values cut into rows of lengths uniform in [L/2, 3L/2), as a jagged
+    nested tensor built from a list (cached lengths, like a transfer client's get)."""
+    rows, cols = field.shape
+    lengths = torch.randint(cols // 2, cols + cols // 2, (rows,), generator=gen)
+    flat = field.reshape(-1).repeat(2)[: int(lengths.sum())]
+    pieces = torch.split(flat, lengths.tolist())
+    return torch.nested.as_nested_tensor(list(pieces), layout=torch.jagged)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=7)
@@ -57,11 +69,13 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     dense = [torch.randn(ROWS, COLS, generator=gen).to(device) for _ in range(FIELDS)]
     jag = [torch.nested.nested_tensor(list(f), layout=torch.jagged) for f in dense]
+    varied = [varied_rows(f, gen) for f in dense]
     batch_mb = sum(f.nbytes for f in dense) / 1e6
 
     schemes: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]]] = {
         "row_digests (dense)": (row_digests, dense),
         "row_digests (jagged)": (row_digests, jag),
+        "row_digests (jagged, varied)": (row_digests, varied),
         "xor_fold (hash_tensor)": (xor_fold_digests, dense),
         "crc32 (host, zlib)": (crc32_digests, dense),
     }
@@ -75,9 +89,9 @@ def main() -> None:
     med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
     xor_ms = med["xor_fold (hash_tensor)"]
     print(f"batch: {ROWS} rows x {FIELDS} fields fp32 [{ROWS}, {COLS}] = {batch_mb:.1f} MB")
-    print(f"{'scheme':<24}{'ms/batch':>10}{'GB/s':>8}{'x xor':>8}")
+    print(f"{'scheme':<30}{'ms/batch':>10}{'GB/s':>8}{'x xor':>8}")
     for name, ms in med.items():
-        print(f"{name:<24}{ms:>10.1f}{batch_mb / ms:>8.2f}{ms / xor_ms:>8.1f}")
+        print(f"{name:<30}{ms:>10.1f}{batch_mb / ms:>8.2f}{ms / xor_ms:>8.1f}")
 
     line = (
         f"{batch_mb:.0f} MB batch ({ROWS} rows x {FIELDS} fp32 fields [{ROWS}, {COLS}]), "
