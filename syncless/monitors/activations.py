@@ -78,7 +78,9 @@ class ActivationsMonitor:
                 column = Column(slot, width=width, start=rank * width)
                 slot = _ShardedSlot(slot, rank * width, width)
             group = SlotGroup(ctx.metrics, [column])
-            ctx.handles += site.attach_output(self._make_output_hook(slot, group))
+            ctx.handles += site.attach_output(
+                ctx.timed(self.name, self._make_output_hook(slot, group))
+            )
 
     def _make_output_hook(self, slot, group: SlotGroup):
         @hot_path

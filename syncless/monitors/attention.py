@@ -86,7 +86,7 @@ class AttentionMonitor:
                 ctx.metrics,
                 [Column(recorder.logit_max), Column(recorder.entropy), Column(self._frac)],
             )
-            ctx.handles += site.attach_qk(recorder.record)
+            ctx.handles += site.attach_qk(ctx.timed(self.name, recorder.record))
 
     def derive(self, readout: Readout) -> dict[str, float]:
         """The layer with the largest logit, and the lowest head entropy of any layer."""

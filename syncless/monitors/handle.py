@@ -47,6 +47,10 @@ class MonitorHandle:
         self.strict = strict
         self.derive_errors: dict[str, int] = {}
         self._host_ms = 0.0
+        # Host ns each monitor's hooks spent up to a flush, by flushed step (lagged like
+        # the values they ride with), and in total since attach.
+        self._hook_ns: dict[int, dict[str, int]] = {}
+        self.hook_host_ns_total: dict[str, int] = dict.fromkeys(ctx.host_ns, 0)
         self._checked_names: set[str] = set()
         self._closed = False
         self._set_cadence(0)
@@ -59,6 +63,8 @@ class MonitorHandle:
         """End of training step ``step``: flush, emit, and arm the next step."""
         start = time.perf_counter()
         any_active = any(m.active for m in self.monitors)
+        if any_active:
+            self._take_hook_time(step)
         readouts = (
             self.metrics.flush(step, wait=not self.lagged if wait is None else wait)
             if any_active
@@ -69,6 +75,15 @@ class MonitorHandle:
         self._host_ms = (time.perf_counter() - start) * 1e3
         self._publish(records)
         return records
+
+    def _take_hook_time(self, step: int) -> None:
+        ledger = self.ctx.host_ns
+        self._hook_ns[step] = dict(ledger)
+        while len(self._hook_ns) > 4:  # a flush whose readout never came (error paths)
+            self._hook_ns.pop(next(iter(self._hook_ns)))
+        for name, ns in ledger.items():
+            self.hook_host_ns_total[name] = self.hook_host_ns_total.get(name, 0) + ns
+            ledger[name] = 0
 
     def _records(self, readouts: list[Readout]) -> list[StepRecord]:
         records: list[StepRecord] = []
@@ -87,10 +102,19 @@ class MonitorHandle:
             for monitor, count in self.derive_errors.items():
                 key = f"{AREA}/self/{monitor}_derive_errors_count"
                 records.append(StepRecord(name, r.step, rank, key, float(count), now))
-            # The measurement bills itself: host time of the previous step() call.
+            # The measurement bills itself: host time of the previous step() call, and
+            # of every hook up to this readout's flush (this rank's; rank 0 emits).
             records.append(
                 StepRecord(name, r.step, rank, f"{AREA}/self/flush_host_ms", self._host_ms, now)
             )
+            hooks = self._hook_ns.pop(r.step, None)
+            if hooks:
+                for monitor, ns in hooks.items():
+                    key = f"{AREA}/self/{monitor}_hook_host_ms"
+                    records.append(StepRecord(name, r.step, rank, key, ns / 1e6, now))
+                total = sum(hooks.values()) / 1e6
+                key = f"{AREA}/self/hook_host_ms"
+                records.append(StepRecord(name, r.step, rank, key, total, now))
         self.readouts = readouts
         return records
 

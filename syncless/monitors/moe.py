@@ -218,7 +218,8 @@ class MoEMonitor:
             group = SlotGroup(
                 ctx.metrics, [Column(layer.tokens), Column(layer.zloss), Column(layer.mass)]
             )
-            ctx.handles += layer.site.attach_logits(self._make_logits_hook(layer, one, group))
+            hook = ctx.timed(self.name, self._make_logits_hook(layer, one, group))
+            ctx.handles += layer.site.attach_logits(hook)
 
     def _make_logits_hook(self, layer: _RouterLayer, one: torch.Tensor, group: SlotGroup):
         top_k, score = layer.site.top_k, layer.site.score

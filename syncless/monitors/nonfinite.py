@@ -44,7 +44,9 @@ class NonFiniteMonitor:
         for site in ctx.model.layers:
             slot = self._slots[site.index]
             group = SlotGroup(ctx.metrics, [Column(slot, also_max=self._alert)])
-            ctx.handles += site.attach_output(self._make_output_hook(slot, group))
+            ctx.handles += site.attach_output(
+                ctx.timed(self.name, self._make_output_hook(slot, group))
+            )
 
     def _make_output_hook(self, slot: Slot, group: SlotGroup):
         alert = self._alert

@@ -184,8 +184,8 @@ class NormsMonitor:
         self._group_ids = torch.tensor(self._group_of, dtype=torch.int64, device=device)
         self._zero = torch.zeros((), dtype=torch.float32, device=device)
         self._own_handles = [
-            self.optimizer.register_step_pre_hook(self._pre_step),
-            self.optimizer.register_step_post_hook(self._post_step),
+            self.optimizer.register_step_pre_hook(ctx.timed(self.name, self._pre_step)),
+            self.optimizer.register_step_post_hook(ctx.timed(self.name, self._post_step)),
         ]
         ctx.handles += self._own_handles
 
