@@ -91,6 +91,15 @@ def qk_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.dtype == k.dtype and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
+# One program holds a [64, next_pow2(E)] fp32 tile of scores: beyond 256 experts it
+# would spill registers, and the torch path is the better choice.
+MAX_ROUTER_EXPERTS = 256
+
+
+def router_supported(n_experts: int) -> bool:
+    return n_experts <= MAX_ROUTER_EXPERTS
+
+
 # The kernel modules import triton (and read TRITON_INTERPRET when they do): import them
 # on first use, so syncless imports without triton and tests can choose the interpreter.
 

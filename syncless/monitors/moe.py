@@ -231,7 +231,7 @@ class MoEMonitor:
             if not self.active:
                 return
             n_tokens = logits.shape[0]  # a shape, fixed by the batch: not a tensor value
-            if kernels.use_triton(logits):
+            if kernels.use_triton(logits) and kernels.router_supported(logits.shape[-1]):
                 group.fold(kernels.router_partials(logits, top_k, softmax), n_tokens)
                 return
             stats = router_stats(logits, top_k, score, one)
