@@ -1,9 +1,15 @@
-"""Tensor capture: recurring D2H windows and the grant controller that fills them.
+"""Tensor capture: a device ring, a drain worker, recurring D2H windows, and sinks.
 
 The simulator is ``python -m syncless.capture.simulate TRACE.json`` (module
 ``syncless.capture.simulate``; not imported here so that ``-m`` runs it cleanly).
-The windows, the controller and the simulator do not import torch.
+The windows, the controller and the simulator do not import torch; the engine, the
+sinks and the reader (which do) are imported on first use of their names here.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from syncless.capture.controller import (
     ControllerConfig,
@@ -16,17 +22,57 @@ from syncless.capture.controller import (
 )
 from syncless.capture.windows import Location, PatternVersions, WindowPattern, pack, unpack
 
+if TYPE_CHECKING:
+    from syncless.capture.drain import WindowReport
+    from syncless.capture.engine import CaptureEngine, EngineConfig
+    from syncless.capture.reader import CaptureStore, open
+    from syncless.capture.sink import CapturedRecord, CaptureSink, MemorySink, SafetensorsSink
+    from syncless.capture.stats import DropReason
+
+# name -> module that defines it (torch-importing modules, loaded lazily)
+_LAZY = {
+    "CaptureEngine": "engine",
+    "EngineConfig": "engine",
+    "WindowReport": "drain",
+    "DropReason": "stats",
+    "CaptureSink": "sink",
+    "CapturedRecord": "sink",
+    "MemorySink": "sink",
+    "SafetensorsSink": "sink",
+    "CaptureStore": "reader",
+    "open": "reader",
+}
+
 __all__ = [
+    "CaptureEngine",
+    "CaptureSink",
+    "CaptureStore",
+    "CapturedRecord",
     "ControllerConfig",
+    "DropReason",
+    "EngineConfig",
     "FlushKind",
     "Grant",
     "GrantController",
     "GrantReason",
     "Location",
+    "MemorySink",
     "Outcome",
     "PatternVersions",
+    "SafetensorsSink",
     "WindowEvidence",
     "WindowPattern",
+    "WindowReport",
+    "open",
     "pack",
     "unpack",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'syncless.capture' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"syncless.capture.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

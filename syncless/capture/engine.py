@@ -1,0 +1,617 @@
+"""The capture engine: tensors out of training into a run directory, without stalls.
+
+A capture point (a forward hook, a training loop) calls ``engine.capture(tag,
+tensor)``. That reserves space for the tensor in a preallocated device ring (host
+bookkeeping from its shape and dtype: no sync), copies it there device to device on
+the current stream and records an event that says when the copy has landed. A drain
+worker copies ready records, whole and oldest first, into a preallocated pinned
+staging ring on its own stream and hands them to the sink (safetensors shards plus a
+Parquet index in the run directory). When the framework declares recurring windows
+(:meth:`CaptureEngine.define_pattern`) and publishes boundaries from its stream
+(:meth:`CaptureEngine.advance_boundary`), the grant controller decides how many bytes
+each window carries and the drain copies only then.
+
+Nothing is lost silently: a record is stored, or dropped and counted with a reason
+(:class:`~syncless.capture.stats.DropReason`). See docs/capture.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from syncless.capture.boundary import BoundaryClock
+from syncless.capture.controller import ControllerConfig, GrantController
+from syncless.capture.drain import DrainWorker, WindowReport
+from syncless.capture.records import VOID, WRITTEN, Record, RecordQueue
+from syncless.capture.sink import CaptureSink, SafetensorsSink
+from syncless.capture.stats import GAUGES, CaptureStats, DropReason
+from syncless.capture.windows import WindowPattern
+from syncless.capture.writer import SinkWriter
+from syncless.guard import allow_sync
+from syncless.hot_path import hot_path
+from syncless.run.dist import rank_info
+
+if TYPE_CHECKING:
+    from syncless.run import Run
+
+__all__ = ["CaptureEngine", "EngineConfig", "OnFull"]
+
+OnFull = Literal["drop", "block", "flush"]
+_ON_FULL = ("drop", "block", "flush")
+# Reasons a waiting capture can outlast; the others are final.
+_WAITABLE = (DropReason.RING_FULL, DropReason.RECORDS_FULL)
+# Counters reported under capture/self/ (the engine's own cost), not capture/step/.
+_SELF = ("capture_host_ms", "boundary_host_ms")
+
+
+def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _positive_float(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{what} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _check_on_full(value: Any) -> OnFull:
+    if value not in _ON_FULL:
+        raise ValueError(
+            f"on_full={value!r}: expected one of {', '.join(map(repr, _ON_FULL))} (drop: "
+            f"count it and go on; block: wait for the drain to free space; flush: drain "
+            f"everything ready now, then capture)"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Tuning of the capture engine; the defaults suit a training step of milliseconds.
+
+    Args:
+        max_records: record slots, i.e. records in the ring at most (each slot has a
+            preallocated CUDA event).
+        align: alignment of every record in both rings, in bytes (a power of two >= 16,
+            so any dtype can be viewed in place; larger values help copy speed).
+        boundary_pool: boundaries whose device stamps are kept; a window whose OPEN or
+            CLOSE is this many boundaries old when the drain looks is not measured.
+        poll_interval_s: how often an idle drain worker looks at the ring and the
+            boundary word.
+        late_issue_s: a window transfer that starts later than this after the OPEN (on
+            the device timeline) was issued late: the controller learns nothing from it.
+        shard_bytes: the writer writes a shard once this many bytes are waiting
+            (default: half the staging ring, so the drain keeps the other half).
+        shard_interval_s: ... or once the oldest waiting batch is this old.
+    """
+
+    max_records: int = 4096
+    align: int = 64
+    boundary_pool: int = 1024
+    poll_interval_s: float = 2e-4
+    late_issue_s: float = 5e-4
+    shard_bytes: int | None = None
+    shard_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _positive_int(self.max_records, "EngineConfig.max_records")
+        _positive_int(self.align, "EngineConfig.align", 16)
+        if self.align & (self.align - 1):
+            raise ValueError(f"EngineConfig.align must be a power of two, got {self.align}")
+        _positive_int(self.boundary_pool, "EngineConfig.boundary_pool", 2)
+        _positive_float(self.poll_interval_s, "EngineConfig.poll_interval_s")
+        _positive_float(self.late_issue_s, "EngineConfig.late_issue_s")
+        if self.shard_bytes is not None:
+            _positive_int(self.shard_bytes, "EngineConfig.shard_bytes")
+        _positive_float(self.shard_interval_s, "EngineConfig.shard_interval_s")
+
+
+class CaptureEngine:
+    """Captures tensors from training into a sink without a host sync on the hot path.
+
+    Args:
+        ring_bytes: bytes of the device ring that captures copy into.
+        staging_bytes: bytes of the pinned host staging ring the drain copies into; the
+            most one transfer (and one window grant) can carry. At most ``ring_bytes``.
+        sink: a :class:`~syncless.capture.sink.CaptureSink`, or a run directory (then
+            ``SafetensorsSink(run_dir, rank)``). Default: the ``run``'s directory.
+        device: where the tensors to capture live; default the current CUDA device if
+            there is one, else the CPU. Every captured tensor must be on it.
+        run: a :class:`~syncless.run.Run`: rank, default sink, and where
+            :meth:`report` sends ``capture/step/*`` step records.
+        on_full: what a capture does when the ring is full, unless it says otherwise:
+            ``"drop"`` (count it, go on), ``"block"`` (wait until the drain frees room;
+            can stall the step: the caller's explicit choice), ``"flush"`` (have the drain
+            copy out everything ready now, outside any window, and wait for it).
+        config: tuning (:class:`EngineConfig`).
+        controller: the grant controller (default: one over ``staging_bytes``).
+        controller_config: its configuration, when the engine makes it.
+        background: run the drain and the writer on threads of their own. False: they
+            run only inside :meth:`poll`, :meth:`flush`, :meth:`close` and waiting
+            captures, on the caller's thread (deterministic; for tests and for loops
+            that want to drive the drain themselves).
+        strict: raise sink and drain errors on the training thread (at the next
+            capture, flush, report or close) instead of only counting them.
+        clock: host clock for boundary stamps and copy timings on CPU.
+
+    Raises:
+        ValueError: a bad size, policy, device or sink, saying what was expected.
+    """
+
+    def __init__(
+        self,
+        ring_bytes: int,
+        staging_bytes: int,
+        sink: CaptureSink | str | os.PathLike[str] | None = None,
+        *,
+        device: torch.device | str | None = None,
+        run: Run | None = None,
+        on_full: OnFull = "drop",
+        config: EngineConfig | None = None,
+        controller: GrantController | None = None,
+        controller_config: ControllerConfig | None = None,
+        background: bool = True,
+        strict: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        cfg = config if config is not None else EngineConfig()
+        if not isinstance(cfg, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig, got {type(cfg).__name__}")
+        ring_bytes = _positive_int(ring_bytes, "CaptureEngine: ring_bytes", cfg.align)
+        staging_bytes = _positive_int(staging_bytes, "CaptureEngine: staging_bytes", cfg.align)
+        if staging_bytes > ring_bytes:
+            raise ValueError(
+                f"CaptureEngine: staging_bytes ({staging_bytes}) > ring_bytes ({ring_bytes}): "
+                f"a transfer carries records from the ring, so staging beyond the ring's "
+                f"size is never used; make the ring at least as large as staging"
+            )
+        self._on_full = _check_on_full(on_full)
+        self._device = _resolve_device(device)
+        self._cuda = self._device.type == "cuda"
+        self._rank = run.ranks.rank if run is not None else rank_info().rank
+        self._run = run
+        self._sink = _resolve_sink(sink, run, self._rank)
+        self._strict = strict
+        self._background = background
+        self._config = cfg
+        self._staging_bytes = staging_bytes
+        if controller is None:
+            controller = GrantController(staging_bytes, controller_config)
+        elif controller.staging_bytes > staging_bytes:
+            raise ValueError(
+                f"the controller grants up to {controller.staging_bytes} bytes but staging "
+                f"has {staging_bytes}; build it with GrantController({staging_bytes}, ...)"
+            )
+        self._ctl = controller
+        self._ctl_lock = threading.Lock()
+
+        # Everything the hot path touches is allocated here, once.
+        self._ring = torch.empty(ring_bytes, dtype=torch.uint8, device=self._device)
+        staging = torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=self._cuda)
+        self._queue = RecordQueue(
+            ring_bytes, cfg.align, cfg.max_records, _event_factory(self._device)
+        )
+        self._boundary = BoundaryClock(self._device, cfg.boundary_pool, clock)
+        self._stats = CaptureStats()
+        shard_bytes = cfg.shard_bytes if cfg.shard_bytes is not None else staging_bytes // 2
+        self._writer = SinkWriter(
+            self._sink,
+            lambda: self._drain.release_staging(),
+            self._stats,
+            shard_bytes,
+            cfg.shard_interval_s,
+            background,
+        )
+        self._drain = DrainWorker(
+            queue=self._queue,
+            ring=self._ring,
+            staging=staging,
+            boundary=self._boundary,
+            controller=self._ctl,
+            controller_lock=self._ctl_lock,
+            writer=self._writer,
+            stats=self._stats,
+            rank=self._rank,
+            late_issue_s=cfg.late_issue_s,
+            poll_interval_s=cfg.poll_interval_s,
+        )
+        self._closed = False
+        self._last_step = 0
+        if background:
+            self._drain.start()
+
+    # -- properties ---------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def ring_bytes(self) -> int:
+        return self._ring.numel()
+
+    @property
+    def staging_bytes(self) -> int:
+        return self._staging_bytes
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def sink(self) -> CaptureSink:
+        return self._sink
+
+    @property
+    def controller(self) -> GrantController:
+        return self._ctl
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def drain_error(self) -> BaseException | None:
+        """What killed the drain worker, if it died (captures then drop: drain_error)."""
+        return self._drain.error
+
+    # -- the hot path -------------------------------------------------------------------
+
+    @hot_path
+    def capture(
+        self,
+        tag: str,
+        tensor: torch.Tensor,
+        *,
+        step: int | None = None,
+        meta: Mapping[str, Any] | None = None,
+        on_full: OnFull | None = None,
+    ) -> bool:
+        """Capture ``tensor``: copy it into the device ring, to be drained to the sink.
+
+        Safe in a hook: no host sync, no allocation beyond a view of the ring. The copy
+        runs on the current stream; the tensor may be freed or overwritten afterwards.
+
+        Args:
+            tag: what this is (e.g. ``"layer_03/hidden"``); the index's ``tag``.
+            tensor: any strided tensor on the engine's device, any dtype and shape
+                (0-d, empty and non-contiguous included); autograd is not involved.
+            step: the training step, for the index (optional).
+            meta: JSON-serialisable details for the index, serialised now (a snapshot).
+            on_full: this capture's policy when the ring is full (default: the engine's).
+
+        Returns:
+            True if the tensor is in the ring (it will be stored unless the sink fails),
+            False if it was dropped (counted with its reason; see :meth:`dropped`).
+
+        Raises:
+            ValueError: not a strided tensor on the engine's device, a bad tag, step,
+                meta or policy. RuntimeError: inside CUDA graph capture; in strict mode,
+                a sink or drain error from earlier.
+        """
+        t0 = time.perf_counter_ns()
+        if self._strict:
+            self._raise_errors()
+        policy = self._on_full if on_full is None else _check_on_full(on_full)
+        self._check_capture(tag, tensor, step)
+        nbytes = tensor.numel() * tensor.element_size()
+        meta_json = None if meta is None else _meta_json(meta)
+        self._stats.add2("offered_count", 1, "offered_bytes", nbytes)
+        rec = self._reserve(tag, step, tensor, nbytes, meta_json, policy)
+        if rec is not None:
+            self._copy(rec, tensor)
+        self._stats.add("capture_host_ms", (time.perf_counter_ns() - t0) / 1e6)
+        return rec is not None
+
+    @hot_path
+    def _reserve(
+        self,
+        tag: str,
+        step: int | None,
+        tensor: torch.Tensor,
+        nbytes: int,
+        meta: str | None,
+        policy: OnFull,
+    ) -> Record | None:
+        shape, dtype = tuple(tensor.shape), tensor.dtype
+        rec, reason = self._queue.try_reserve(tag, step, shape, dtype, nbytes, meta)
+        if rec is None and policy != "drop" and reason in _WAITABLE:
+            rec, reason = self._wait_for_room(tag, step, shape, dtype, nbytes, meta, policy)
+        if rec is None:
+            assert reason is not None
+            self._stats.drop(reason, nbytes)
+        return rec
+
+    @hot_path
+    def _wait_for_room(
+        self,
+        tag: str,
+        step: int | None,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        nbytes: int,
+        meta: str | None,
+        policy: OnFull,
+    ) -> tuple[Record | None, DropReason | None]:
+        """The ring is full and the caller chose to wait (block) or to flush."""
+        t0 = time.perf_counter_ns()
+        rec, reason = None, DropReason.RING_FULL
+        with allow_sync(f"capture(on_full={policy!r}): the caller chose to wait for the drain"):
+            while rec is None and reason in _WAITABLE:
+                req = self._drain.request(
+                    "block" if policy == "block" else "capacity", self._queue.ring.span(nbytes)
+                )
+                self._drain.wait(req)
+                rec, reason = self._queue.try_reserve(tag, step, shape, dtype, nbytes, meta)
+        self._stats.add2("blocked_count", 1, "blocked_ms", (time.perf_counter_ns() - t0) / 1e6)
+        return rec, reason
+
+    @hot_path
+    def _copy(self, rec: Record, tensor: torch.Tensor) -> None:
+        dst = self._ring[rec.offset : rec.offset + rec.nbytes].view(rec.dtype).view(rec.shape)
+        try:
+            dst.copy_(tensor.detach())
+            if rec.event is not None:
+                rec.event.record(torch.cuda.current_stream(self._device))
+        except BaseException:
+            rec.state = VOID  # its ring space is released in order, its bytes ignored
+            self._stats.drop(DropReason.COPY_ERROR, rec.nbytes)
+            raise
+        rec.state = WRITTEN
+        self._stats.add2("captured_count", 1, "captured_bytes", rec.nbytes)
+
+    @hot_path
+    def _check_capture(self, tag: str, tensor: torch.Tensor, step: int | None) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"capture({tag!r}): expected a torch.Tensor, got {type(tensor)}")
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+            raise ValueError(
+                f"capture({tag!r}): only dense strided tensors can be captured, got layout "
+                f"{tensor.layout}{' (quantized)' if tensor.is_quantized else ''}"
+                f"{' (nested)' if tensor.is_nested else ''}; capture its dense parts instead"
+            )
+        if tensor.device != self._device:
+            raise ValueError(
+                f"capture({tag!r}): the tensor is on {tensor.device} but the engine captures "
+                f"from {self._device}; make one engine per device"
+            )
+        if not isinstance(tag, str) or not tag:
+            raise ValueError(f"capture(): tag must be a non-empty string, got {tag!r}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise ValueError(f"capture({tag!r}): step must be an int or None, got {step!r}")
+        if self._cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"capture({tag!r}) inside CUDA graph capture: the ring is reserved on the "
+                f"host, which a graph replay does not run; capture outside the graph"
+            )
+
+    @hot_path
+    def advance_boundary(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Publish the next boundary from ``stream`` (default: the current stream).
+
+        No host sync; capturable in a CUDA graph (see
+        :mod:`syncless.capture.boundary` for what is measured under replay).
+        """
+        t0 = time.perf_counter_ns()
+        self._boundary.advance(stream)
+        self._stats.add2(
+            "boundary_count", 1, "boundary_host_ms", (time.perf_counter_ns() - t0) / 1e6
+        )
+
+    # -- windows ------------------------------------------------------------------------
+
+    def define_pattern(
+        self, pattern: WindowPattern, stream: torch.cuda.Stream | None = None
+    ) -> int:
+        """Declare recurring windows; returns the pattern's version.
+
+        Boundaries count from 0 again under a new pattern, ordered on ``stream`` (default:
+        the current stream) with the boundaries published there. Redefining the current
+        pattern keeps its version, its count and what the controller learnt.
+        """
+        self._check_open("define_pattern")
+        with self._ctl_lock:
+            before = self._ctl.version
+            version = self._ctl.define_pattern(pattern)
+        if version != before:
+            self._boundary.set_version(version, stream)
+        return version
+
+    def suspend(self) -> None:
+        """Enter a phase without windows (evaluation): the drain batches, nothing counts
+        against the windows, and nothing in it can trigger the fallback."""
+        self._check_open("suspend")
+        with self._ctl_lock:
+            self._ctl.suspend()
+
+    def resume(self) -> None:
+        """Leave the phase entered by :meth:`suspend`."""
+        self._check_open("resume")
+        with self._ctl_lock:
+            self._ctl.resume()
+
+    def window_reports(self) -> list[WindowReport]:
+        """What the engine reported for each recent window transfer (oldest first)."""
+        return list(self._drain.reports)
+
+    # -- the cold path --------------------------------------------------------------------
+
+    def poll(self) -> bool:
+        """Run one drain iteration on this thread (``background=False`` only)."""
+        if self._background:
+            raise RuntimeError("poll() is for background=False engines: the drain runs itself")
+        if self._closed:
+            return False
+        return self._drain.step()
+
+    def flush(self) -> None:
+        """Wait until every record captured so far is stored (or dropped and counted).
+
+        A host wait, outside any window: for the end of a phase, not for every step.
+        """
+        if self._strict:
+            self._raise_errors()
+        if self._closed or self._drain.error is not None:
+            return
+        self._drain.wait(self._drain.request("lifecycle"))
+        if self._strict:
+            self._raise_errors()
+
+    def close(self, step: int | None = None) -> None:
+        """Drain and store everything, stop the threads, close the sink. Idempotent.
+
+        A closed engine refuses captures (each counted as dropped, reason ``closed``)
+        and cannot be reopened. With a ``run``, a last :meth:`report` goes out at
+        ``step`` (default: the last step reported).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.close()
+        if self._drain.error is None:
+            self._drain.wait(self._drain.request("lifecycle"))
+        self._drain.stop()
+        if self._drain.error is not None:
+            self._count_lost()
+        self._writer.close()
+        if self._run is not None:
+            self.report(self._last_step if step is None else step)
+        if self._strict:
+            self._raise_errors()
+
+    def __enter__(self) -> CaptureEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def report(self, step: int) -> dict[str, float]:
+        """This step's numbers (counters since the last report, gauges now), sent to the
+        ``run`` as ``capture/step/*`` and ``capture/self/*`` step records."""
+        if self._strict:
+            self._raise_errors()
+        self._last_step = step
+        values: dict[str, float] = {}
+        for name, value in self._stats.deltas().items():
+            values[f"capture/{'self' if name in _SELF else 'step'}/{name}"] = value
+        gauges = self._gauges()
+        values.update({f"capture/step/{name}": gauges[name] for name in GAUGES})
+        if self._run is not None:
+            self._run.log(step, values)
+        return values
+
+    def counters(self) -> dict[str, float]:
+        """Every counter, cumulative since the engine started, and the gauges now."""
+        return {**self._stats.snapshot(), **self._gauges()}
+
+    def dropped(self) -> dict[str, int]:
+        """Dropped records by reason (every reason listed, zeros included)."""
+        return self._stats.dropped()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _gauges(self) -> dict[str, float]:
+        with self._ctl_lock:
+            fallback = self._ctl.fallback
+        return {
+            "pending_count": self._stats.balance(),
+            "ring_used_bytes": self._queue.used_bytes(),
+            "staging_used_bytes": self._drain.staging_used(),
+            "fallback": int(fallback),
+        }
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what}(): the capture engine is closed (it cannot be reopened)")
+
+    def _raise_errors(self) -> None:
+        for owner in (self._writer, self._drain):
+            err = owner.error
+            if err is not None:
+                owner.error = None  # raised once, like syncless.run's Parquet writer
+                raise RuntimeError(f"capture {type(owner).__name__} failed: {err!r}") from err
+
+    def _count_lost(self) -> None:
+        """The drain died: what is left in the ring will never be stored."""
+        count = nbytes = 0
+        for i in range(len(self._queue)):
+            rec = self._queue.peek(i)
+            if rec.state != VOID:
+                count += 1
+                nbytes += rec.nbytes
+        if count:
+            self._stats.drop(DropReason.DRAIN_ERROR, nbytes, count)
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"CaptureEngine: device={device!r} is not a torch device") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"CaptureEngine: device={device} but CUDA is not available")
+        if device.index is None:  # compare equal to the tensors' devices, which are indexed
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(
+            f"CaptureEngine: device={device}: expected a CUDA device or the CPU (copies to "
+            f"the host are CUDA copies, or synchronous copies on the CPU)"
+        )
+    return device
+
+
+def _resolve_sink(
+    sink: CaptureSink | str | os.PathLike[str] | None, run: Run | None, rank: int
+) -> CaptureSink:
+    if sink is None:
+        if run is None:
+            raise ValueError(
+                "CaptureEngine: no sink: pass a CaptureSink, a run directory, or run=Run(...)"
+            )
+        return SafetensorsSink(run.dir, rank)
+    if isinstance(sink, (str, os.PathLike)):
+        return SafetensorsSink(sink, rank)
+    if not isinstance(sink, CaptureSink):
+        raise ValueError(
+            f"CaptureEngine: sink must be a CaptureSink (write(records), close()) or a run "
+            f"directory, got {type(sink).__name__}"
+        )
+    return sink
+
+
+def _event_factory(device: torch.device) -> Callable[[], Any] | None:
+    """Readiness events for the record slots, created (and their CUDA events made) now."""
+    if device.type != "cuda":
+        return None
+    stream = torch.cuda.current_stream(device)
+
+    def make() -> torch.cuda.Event:
+        ev = torch.cuda.Event()  # no timing: cheaper to record, and readiness is all we ask
+        ev.record(stream)  # creates the CUDA event now rather than at the first capture
+        return ev
+
+    return make
+
+
+def _meta_json(meta: Mapping[str, Any]) -> str:
+    if not isinstance(meta, Mapping):
+        raise ValueError(f"capture(): meta must be a mapping, got {type(meta).__name__}")
+    try:
+        return json.dumps(dict(meta), separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"capture(): meta must be JSON-serialisable (numbers, strings, lists, dicts; "
+            f"not tensors, which would need a sync): {e}"
+        ) from None

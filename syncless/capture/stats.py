@@ -1,0 +1,139 @@
+"""What the capture engine did, counted: every record is stored or dropped with a reason.
+
+Counters are cumulative and thread-safe (the training thread, the drain worker and the
+sink writer all count). :meth:`CaptureStats.deltas` turns them into per-step values for
+``capture/step/*`` step records; gauges (ring occupancy) are reported as they are.
+
+The books balance once the engine is closed::
+
+    offered_count == stored_count + sum(dropped_<reason>_count for every reason)
+
+and while it runs, the difference is the records still in the ring, the staging ring
+or the writer (``pending_count``).
+"""
+
+from __future__ import annotations
+
+import threading
+from enum import Enum
+
+from syncless.hot_path import hot_path
+
+__all__ = ["COUNTERS", "GAUGES", "CaptureStats", "DropReason"]
+
+
+class DropReason(str, Enum):
+    """Why a record was not stored. Each has its own counters."""
+
+    #: the device ring had no room for it (``on_full="drop"``)
+    RING_FULL = "ring_full"
+    #: every record slot was in use (``max_records`` records in flight)
+    RECORDS_FULL = "records_full"
+    #: larger than the whole device ring: it can never be captured
+    OVERSIZED = "oversized"
+    #: captured after ``close()``
+    CLOSED = "closed"
+    #: the device-to-device copy into the ring raised (the error is re-raised too)
+    COPY_ERROR = "copy_error"
+    #: the sink raised while writing it
+    SINK_ERROR = "sink_error"
+    #: the drain worker failed; records left in the ring were lost with it
+    DRAIN_ERROR = "drain_error"
+
+
+_PER_RECORD = ("offered", "captured", "stored", *(f"dropped_{r.value}" for r in DropReason))
+
+#: Cumulative counters (reported per step as deltas).
+COUNTERS: tuple[str, ...] = (
+    *(f"{name}_{unit}" for name in _PER_RECORD for unit in ("count", "bytes")),
+    "blocked_count",  # captures that waited for ring space (block / flush)
+    "blocked_ms",  # host time they waited
+    "d2h_count",  # D2H transfers (one or two copies each: two when a batch wraps)
+    "d2h_bytes",  # bytes moved to the host, alignment padding included
+    "d2h_ms",  # device time of those copies (CPU: host time)
+    "d2h_window_bytes",  # ... inside a window grant
+    "d2h_batch_bytes",  # ... by ordinary batching (no pattern, suspended, fallback)
+    "d2h_flush_bytes",  # ... by flushes outside the windows (capacity, block, lifecycle)
+    "d2h_oversized_bytes",  # ... by oversized flushes (records larger than staging)
+    "flush_capacity_count",
+    "flush_lifecycle_count",
+    "flush_oversized_count",
+    "window_grants_count",  # windows OPEN and handled (grants with or without records)
+    "window_transfers_count",  # of those, transfers made and reported to the controller
+    "window_overruns_count",  # transfers that ended at or after the CLOSE
+    "window_issued_late_count",  # transfers issued late (not evidence)
+    "window_close_late_count",  # CLOSEs whose device timing was lost (not evidence)
+    "window_missed_count",  # windows that opened and closed before the drain saw them
+    "sink_shards_count",
+    "sink_errors_count",
+    "boundary_count",  # advance_boundary() calls
+    "capture_host_ms",  # host time inside capture() (the engine bills itself)
+    "boundary_host_ms",  # host time inside advance_boundary()
+)
+
+#: Instantaneous values (reported as they are when the step ends).
+GAUGES: tuple[str, ...] = (
+    "pending_count",  # captured, not yet stored or dropped
+    "ring_used_bytes",
+    "staging_used_bytes",
+    "fallback",  # 1 once the grant controller fell back to ordinary batching
+)
+
+
+class CaptureStats:
+    """Thread-safe cumulative counters with per-step deltas."""
+
+    __slots__ = ("_last", "_lock", "_values")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        self._last: dict[str, float] = dict(self._values)
+
+    @hot_path
+    def add(self, name: str, value: float = 1) -> None:
+        with self._lock:
+            self._values[name] += value
+
+    @hot_path
+    def add2(self, name_a: str, a: float, name_b: str, b: float) -> None:
+        """Two counters under one lock (a count and its bytes)."""
+        with self._lock:
+            self._values[name_a] += a
+            self._values[name_b] += b
+
+    @hot_path
+    def drop(self, reason: DropReason, nbytes: int, count: int = 1) -> None:
+        key = reason.value
+        with self._lock:
+            self._values[f"dropped_{key}_count"] += count
+            self._values[f"dropped_{key}_bytes"] += nbytes
+
+    def __getitem__(self, name: str) -> float:
+        with self._lock:
+            return self._values[name]
+
+    def snapshot(self) -> dict[str, float]:
+        """Every counter, cumulative."""
+        with self._lock:
+            return dict(self._values)
+
+    def deltas(self) -> dict[str, float]:
+        """Each counter's change since the previous call (the first call: since start)."""
+        with self._lock:
+            now = dict(self._values)
+        out = {k: now[k] - self._last[k] for k in COUNTERS}
+        self._last = now
+        return out
+
+    def dropped(self) -> dict[str, int]:
+        """Dropped records by reason (every reason, zeros included)."""
+        with self._lock:
+            return {r.value: int(self._values[f"dropped_{r.value}_count"]) for r in DropReason}
+
+    def balance(self) -> int:
+        """``offered - stored - dropped``: the records still pending (0 once closed)."""
+        with self._lock:
+            v = self._values
+            dropped = sum(v[f"dropped_{r.value}_count"] for r in DropReason)
+            return int(v["offered_count"] - v["stored_count"] - dropped)
