@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 from syncless.errors import UsageError
+
+# Where the expert-parallel dispatch takes its split lists from (docs/pacing.md).
+EP_SPLITS = ("drain", "static", "static-paced", "lookahead")
+# Pacing points (MoE layers) the host may run ahead under static-paced. Provisional:
+# bench/pacing_ep.py sweeps it on GPUs and has not been run yet.
+DEFAULT_RUN_AHEAD = 2
 
 
 @dataclass
@@ -33,6 +40,9 @@ class DemoConfig:
     corpus_mb: float = 4.0
     # parallelism and execution
     expert_parallel: bool = False
+    ep_splits: str = "drain"  # drain | static | static-paced | lookahead (docs/pacing.md)
+    run_ahead: int = DEFAULT_RUN_AHEAD  # static-paced: MoE layers the host may lead by
+    fix_router: bool = False  # token t -> experts (t*k + j) mod E, equal weights (benchmarks)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     # output
@@ -68,6 +78,7 @@ class DemoConfig:
             f"--dtype must be auto, fp32 or bf16, got {self.dtype!r}",
         )
         need(self.corpus_mb > 0, f"--corpus-mb must be > 0, got {self.corpus_mb}")
+        self._validate_ep_splits(need)
         if self.expert_parallel:
             need(
                 self.n_experts % world_size == 0,
@@ -75,6 +86,31 @@ class DemoConfig:
                 f"but {self.n_experts} is not divisible by {world_size}: choose --n-experts "
                 f"as a multiple of the number of ranks (e.g. {world_size * max(1, self.n_experts // world_size)})",
             )
+
+    def _validate_ep_splits(self, need: Callable[[bool, str], None]) -> None:
+        need(
+            self.ep_splits in EP_SPLITS,
+            f"--ep-splits must be one of {', '.join(EP_SPLITS)}, got {self.ep_splits!r}",
+        )
+        need(self.run_ahead >= 0, f"--run-ahead must be >= 0, got {self.run_ahead}")
+        need(
+            self.run_ahead == DEFAULT_RUN_AHEAD or self.ep_splits == "static-paced",
+            f"--run-ahead applies to --ep-splits static-paced only (got --ep-splits "
+            f"{self.ep_splits})",
+        )
+        if self.ep_splits == "drain":
+            return
+        need(
+            self.expert_parallel,
+            f"--ep-splits {self.ep_splits} changes the expert-parallel dispatch: add "
+            "--expert-parallel (and run several ranks, e.g. --nproc 2)",
+        )
+        need(
+            self.fix_router or self.ep_splits == "lookahead",
+            f"--ep-splits {self.ep_splits} reuses one dispatch plan, which is only correct "
+            "for a static router: add --fix-router (a learned router's counts change with "
+            "every batch; use --ep-splits lookahead for it)",
+        )
 
 
 _POSITIVE = (

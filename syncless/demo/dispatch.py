@@ -1,23 +1,37 @@
 """Token dispatch to experts: all local, or expert parallel with all_to_all_single.
 
-Both dispatchers are the *standard* code most MoE trainers run: token counts per
-expert are read back to the host once per layer (``.tolist()``) because
+Both dispatchers default to the *standard* code most MoE trainers run: token counts
+per expert are read back to the host once per layer (``.tolist()``) because
 ``Tensor.split`` and ``all_to_all_single`` take Python split lists. That drain blocks
-the host until everything enqueued before it has finished; later issues measure and
-remove it (syncless.pacing). Keep it here on purpose: it is the baseline. Each drain
-sits in ``allow_sync``: it is intended, so tests can run the model under ``no_sync()``
-to prove the monitors' hooks sync-free, while ``census()`` still counts it.
+the host until everything enqueued before it has finished. It stays the default on
+purpose: it is the baseline. Each drain sits in ``allow_sync``: it is intended, so
+tests can run the model under ``no_sync()`` to prove the monitors' hooks sync-free,
+while ``census()`` still counts it.
+
+The expert-parallel dispatcher can also take its split lists elsewhere
+(``--ep-splits``, syncless.pacing, docs/pacing.md): from a static plan cache, with or
+without a run-ahead limit, or read late from pinned host memory (lookahead).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from syncless.demo.config import DEFAULT_RUN_AHEAD, EP_SPLITS
 from syncless.guard import allow_sync
+from syncless.pacing import (
+    DispatchPlan,
+    HostLanding,
+    PlanKey,
+    RunAheadLimiter,
+    StaticPlanCache,
+    StaticPlanError,
+)
 
 if TYPE_CHECKING:
     from syncless.demo.model import Experts
@@ -32,6 +46,14 @@ class Dispatcher(Protocol):
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fn: Experts
     ) -> torch.Tensor:
         """x [T, d], experts/weights [T, k] -> sum_k weights * expert_k(x), [T, d]."""
+        ...
+
+    def end_step(self) -> None:
+        """After each training step (cold path)."""
+        ...
+
+    def report(self) -> dict[str, float]:
+        """Metric values since the last report (cold path; may be a collective)."""
         ...
 
 
@@ -75,6 +97,12 @@ class LocalDispatcher:
             counts = _count_per_expert(flat, n_experts).tolist()
         return _combine(fn(rows, counts), order, weights)
 
+    def end_step(self) -> None:
+        pass
+
+    def report(self) -> dict[str, float]:
+        return {}
+
 
 def call_collective(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """The default way a dispatcher runs a collective: just run it.
@@ -107,12 +135,30 @@ class _AllToAll(torch.autograd.Function):
 class AllToAllDispatcher:
     """Experts sharded over the ranks of ``group``: rank r owns a contiguous block.
 
-    Per layer: count tokens per global expert; exchange the counts (all_to_all); read
-    send and receive counts to the host in one drain; all_to_all the token rows; run
-    the local experts; all_to_all the results back.
+    Per layer: a dispatch plan (the split lists), the token rows all_to_all, the local
+    experts, the results all_to_all back. Where the plan comes from:
+
+    * default (``drain``, the baseline): count tokens per global expert, exchange the
+      counts (all_to_all), read send and receive counts to the host in one drain;
+    * ``plan_cache`` (enabled): computed that way once per ``PlanKey``, then reused
+      with no exchange and no drain (its probes put one of the two back);
+    * ``limiter``: a ``RunAheadLimiter`` point before each layer's token dispatch;
+    * ``lookahead``: counts and their exchange first, their copy to pinned host memory
+      issued without blocking, the token sort enqueued behind it, the read last.
+
+    ``for_mode`` builds each ``--ep-splits`` mode.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        plan_cache: StaticPlanCache | None = None,
+        limiter: RunAheadLimiter | None = None,
+        lookahead: bool = False,
+    ) -> None:
+        if lookahead and plan_cache is not None:
+            raise ValueError("lookahead reads fresh counts every layer: it takes no plan cache")
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -120,6 +166,39 @@ class AllToAllDispatcher:
         # Appended to collective names ("moe_dispatch" + label): a per-layer trace sets
         # it before each layer, and the backward reuses the forward's name.
         self.label = ""
+        self.plan_cache = plan_cache
+        self.limiter = limiter
+        self.landing = HostLanding() if lookahead else None
+        self.drains = 0
+        self.drain_s = 0.0
+        self._owners: dict[int, tuple[int, ...]] = {}
+        self._reported: dict[str, float] = {}
+
+    @classmethod
+    def for_mode(
+        cls,
+        mode: str,
+        *,
+        run_ahead: int = DEFAULT_RUN_AHEAD,
+        device: torch.device | str | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> AllToAllDispatcher:
+        """The dispatcher of ``--ep-splits MODE``.
+
+        The static modes opt in through the API flag (``enabled=True``); how often the
+        cache validates is ``SYNCLESS_STATIC_PLAN_VALIDATE_EVERY`` (default: never, which
+        the fixed router allows: its plan cannot change).
+        """
+        if mode == "drain":
+            return cls(group)
+        if mode == "lookahead":
+            return cls(group, lookahead=True)
+        if mode in ("static", "static-paced"):
+            limiter = RunAheadLimiter(run_ahead, device=device) if mode == "static-paced" else None
+            return cls(group, plan_cache=StaticPlanCache(enabled=True), limiter=limiter)
+        raise ValueError(
+            f"unknown --ep-splits mode {mode!r}; expected one of {', '.join(EP_SPLITS)}"
+        )
 
     def local_experts(self, n_experts: int) -> int:
         return n_experts // self.world
@@ -130,11 +209,80 @@ class AllToAllDispatcher:
     def __call__(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fn: Experts
     ) -> torch.Tensor:
-        n_local = fn.w_gate.shape[0]
-        n_experts = n_local * self.world
-        rows, order, flat = _sort_by_expert(x, experts)  # grouped by expert = by owner rank
-        send_counts = _count_per_expert(flat, n_experts)
-        recv_counts = torch.empty_like(send_counts)  # [src rank, my local expert]
+        n_experts = fn.w_gate.shape[0] * self.world
+        if self.landing is not None:
+            plan, rows, order = self._lookahead(x, experts, n_experts)
+        else:
+            rows, order, flat = _sort_by_expert(x, experts)  # grouped by expert = by owner rank
+            plan = self._plan(x, experts, flat, n_experts)
+        if self.limiter is not None:
+            self.limiter.point()  # before the host enqueues this layer's dispatch
+        to_ranks, from_ranks, group, comm = plan.in_splits, plan.out_splits, self.group, self.comm
+        received = _AllToAll.apply(
+            rows, from_ranks, to_ranks, group, comm, f"moe_dispatch{self.label}"
+        )
+        # Received rows are grouped by source rank, then by local expert; regroup by expert.
+        y_local = fn(received[plan.regroup], plan.local_counts)
+        y_received = y_local.new_empty(y_local.shape).index_copy(0, plan.regroup, y_local)
+        y_rows = _AllToAll.apply(
+            y_received, to_ranks, from_ranks, group, comm, f"moe_combine{self.label}"
+        )
+        return _combine(y_rows, order, weights)
+
+    # -- where the plan comes from (hot path) -------------------------------------------
+
+    def _plan(
+        self, x: torch.Tensor, experts: torch.Tensor, flat: torch.Tensor, n_experts: int
+    ) -> DispatchPlan:
+        cache = self.plan_cache
+        if cache is None:
+            return self._drained_plan(
+                flat, n_experts, "demo baseline: per-layer count drain for all_to_all splits"
+            )
+        tokens, top_k = experts.shape
+        key = PlanKey(tokens, top_k, self.world, self._expert_owners(n_experts), str(x.device))
+        plan = cache.get(key)  # None when not opted in: counted, so a report shows it
+        if plan is None:
+            plan = self._drained_plan(flat, n_experts, "static plan: computed per key")
+            if cache.enabled:
+                cache.put(key, plan)
+            return plan
+        if cache.exchanges_counts or cache.drains or cache.validating:
+            send = _count_per_expert(flat, n_experts)
+            if cache.exchanges_counts:  # probe no-drains: the exchange the cache removed
+                self._exchange(send)
+            if cache.drains:  # probe no-collective: the drain the cache removed
+                self._drain(send, "static plan probe no-collective: the per-layer drain kept")
+            cache.validate(plan, send)
+        return plan
+
+    def _drained_plan(self, flat: torch.Tensor, n_experts: int, reason: str) -> DispatchPlan:
+        send = _count_per_expert(flat, n_experts)
+        recv = self._exchange(send)  # [src rank, my local expert]
+        counts = self._drain(torch.cat((send, recv)), reason)  # one drain for both
+        return DispatchPlan.build(counts[:n_experts], counts[n_experts:], send, recv, self.world)
+
+    def _lookahead(
+        self, x: torch.Tensor, experts: torch.Tensor, n_experts: int
+    ) -> tuple[DispatchPlan, torch.Tensor, torch.Tensor]:
+        """Counts as early as the routing allows, read as late as the dispatch allows.
+
+        The router of layer i+1 reads layer i's output, so its counts cannot be known
+        during layer i (docs/pacing.md). Within the layer: count, exchange, start the
+        host copy, then enqueue the sort, so the device works while the counts travel.
+        """
+        landing = self.landing
+        assert landing is not None
+        send = _count_per_expert(experts.reshape(-1), n_experts)
+        recv = self._exchange(send)
+        landing.issue(torch.cat((send, recv)))
+        rows, order, _ = _sort_by_expert(x, experts)
+        counts = landing.read()
+        plan = DispatchPlan.build(counts[:n_experts], counts[n_experts:], send, recv, self.world)
+        return plan, rows, order
+
+    def _exchange(self, send_counts: torch.Tensor) -> torch.Tensor:
+        recv_counts = torch.empty_like(send_counts)
         self.comm(
             f"moe_counts{self.label}",
             dist.all_to_all_single,
@@ -142,22 +290,78 @@ class AllToAllDispatcher:
             send_counts,
             group=self.group,
         )
-        with allow_sync("demo baseline: per-layer count drain for all_to_all splits"):
-            send, recv = torch.stack((send_counts, recv_counts)).tolist()
-        in_splits = [sum(send[r * n_local : (r + 1) * n_local]) for r in range(self.world)]
-        out_splits = [sum(recv[r * n_local : (r + 1) * n_local]) for r in range(self.world)]
+        return recv_counts
 
-        received = _AllToAll.apply(
-            rows, out_splits, in_splits, self.group, self.comm, f"moe_dispatch{self.label}"
-        )
-        # Received rows are grouped by source rank, then by local expert; regroup by expert.
-        local_ids = torch.arange(n_local, device=x.device).repeat(self.world)
-        local_ids = local_ids.repeat_interleave(recv_counts, output_size=sum(out_splits))
-        regroup = local_ids.argsort(stable=True)
-        local_counts = [sum(recv[e::n_local]) for e in range(n_local)]
-        y_local = fn(received[regroup], local_counts)
-        y_received = y_local.new_empty(y_local.shape).index_copy(0, regroup, y_local)
-        y_rows = _AllToAll.apply(
-            y_received, in_splits, out_splits, self.group, self.comm, f"moe_combine{self.label}"
-        )
-        return _combine(y_rows, order, weights)
+    def _drain(self, counts: torch.Tensor, reason: str) -> list[int]:
+        start = time.perf_counter()
+        with allow_sync(reason):
+            values = counts.tolist()
+        self.drain_s += time.perf_counter() - start
+        self.drains += 1
+        return values
+
+    def _expert_owners(self, n_experts: int) -> tuple[int, ...]:
+        owners = self._owners.get(n_experts)
+        if owners is None:
+            per_rank = self.local_experts(n_experts)
+            owners = self._owners[n_experts] = tuple(e // per_rank for e in range(n_experts))
+        return owners
+
+    # -- cold path ----------------------------------------------------------------------
+
+    def end_step(self) -> None:
+        if self.plan_cache is not None:
+            self.plan_cache.step()
+
+    def report(self) -> dict[str, float]:
+        """Pacing counters since the last report, as ``pacing/...`` metric values.
+
+        Host time blocked in the dispatch (``pacing/step/blocked_ms``) is the sum of
+        the drains, run-ahead waits and lookahead waits. With a validating plan cache
+        this reads the mismatch counter, takes its maximum over the ranks (one scalar
+        all_reduce: call it on every rank at the same step) and raises
+        ``StaticPlanError`` if any validated reuse did not match.
+        """
+        totals = self._totals()
+        out = {f"pacing/{k}": v - self._reported.get(k, 0.0) for k, v in totals.items()}
+        self._reported = totals
+        if out.get("pacing/plan/mismatches_count", 0.0) > 0:
+            raise StaticPlanError(
+                f"static dispatch plan: {int(totals['plan/mismatches_count'])} validated "
+                "reuse(s) did not match the router's counts: tokens went to the wrong "
+                "experts. The router is not static; use --ep-splits drain or lookahead."
+            )
+        return out
+
+    def _totals(self) -> dict[str, float]:
+        totals: dict[str, float] = {
+            "step/drains_count": self.drains,
+            "step/drain_wait_ms": self.drain_s * 1e3,
+        }
+        blocked_s = self.drain_s
+        if self.limiter is not None:
+            s = self.limiter.stats()
+            totals["step/run_ahead_points_count"] = s["points"]
+            totals["step/run_ahead_unpaced_count"] = s["unpaced_points"]
+            totals["step/run_ahead_waits_count"] = s["waits"]
+            totals["step/run_ahead_wait_ms"] = s["wait_s"] * 1e3
+            blocked_s += s["wait_s"]
+        if self.landing is not None:
+            s = self.landing.stats()
+            totals["step/lookahead_reads_count"] = s["reads"]
+            totals["step/lookahead_waits_count"] = s["waits"]
+            totals["step/lookahead_wait_ms"] = s["wait_s"] * 1e3
+            blocked_s += s["wait_s"]
+        totals["step/blocked_ms"] = blocked_s * 1e3
+        cache = self.plan_cache
+        if cache is not None:
+            s = cache.stats()
+            totals["plan/hits_count"] = s["hits"]
+            totals["plan/misses_count"] = s["misses"]
+            totals["plan/disabled_lookups_count"] = s["disabled_lookups"]
+            totals["plan/validations_count"] = s["validations"]
+            totals["plan/unchecked_reuses_count"] = s["unchecked_reuses"]
+            if cache.validate_every > 0:  # the same on every rank: so is the collective
+                n = cache.mismatches(all_ranks=True, group=self.group)
+                totals["plan/mismatches_count"] = n
+        return totals

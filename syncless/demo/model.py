@@ -68,19 +68,36 @@ class Attention(nn.Module):
 
 
 class Router(nn.Module):
-    """Softmax router: top-k experts per token and their renormalised weights."""
+    """Softmax router: top-k experts per token and their renormalised weights.
 
-    def __init__(self, d_model: int, n_experts: int, top_k: int) -> None:
+    ``fixed=True`` (``--fix-router``, for benchmarks) ignores the scores: token t goes
+    to experts ``(t*k + j) mod E`` for j < k with weight 1/k, the same plan in every
+    layer and step and balanced whenever E divides T*k. The gate still runs, so the
+    compute, the monitors' view of the router and the balance loss stay defined (with
+    perfectly balanced counts the loss is 1 and has no gradient).
+    """
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int, fixed: bool = False) -> None:
         super().__init__()
         self.top_k = top_k
+        self.fixed = fixed
         self.gate = nn.Linear(d_model, n_experts, bias=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, d] -> (weights [T, k], experts [T, k] int64, probs [T, E] fp32)."""
         probs = self.gate(x).float().softmax(dim=-1)
+        if self.fixed:
+            experts = fixed_routing(x.shape[0], self.top_k, probs.shape[-1], x.device)
+            return probs.new_full(experts.shape, 1.0 / self.top_k), experts, probs
         weights, experts = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts, probs
+
+
+def fixed_routing(tokens: int, top_k: int, n_experts: int, device: torch.device) -> torch.Tensor:
+    """[tokens, top_k] expert ids: token t -> (t*k + j) mod E (distinct while k <= E)."""
+    t = torch.arange(tokens, device=device).unsqueeze(1)
+    return (t * top_k + torch.arange(top_k, device=device)) % n_experts
 
 
 class Experts(nn.Module):
@@ -133,7 +150,7 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts = cfg.n_experts
         self.top_k = cfg.top_k
-        self.router = Router(cfg.d_model, cfg.n_experts, cfg.top_k)
+        self.router = Router(cfg.d_model, cfg.n_experts, cfg.top_k, fixed=cfg.fix_router)
         self.dispatcher = dispatcher
         self.experts = Experts(
             dispatcher.local_experts(cfg.n_experts),

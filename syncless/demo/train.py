@@ -17,7 +17,7 @@ from rich.console import Console
 
 from syncless.demo.config import DemoConfig
 from syncless.demo.data import BatchSampler, stdlib_corpus
-from syncless.demo.dispatch import AllToAllDispatcher, LocalDispatcher
+from syncless.demo.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from syncless.demo.model import MoETransformer, init_weights
 from syncless.demo.parallel import clip_grad_norm, init_distributed, sync_gradients
 from syncless.demo.progress import LiveView
@@ -83,12 +83,13 @@ def run_demo(
 ) -> DemoResult:
     """Train the demo model for ``cfg.steps`` steps, logging every number to a run."""
     device_type = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
+    owns_group = not dist.is_initialized()  # a caller's process group is the caller's to end
     ranks = init_distributed(device_type)
     try:
         cfg.validate(ranks.world_size)
         return _train(cfg, ranks, run_dir, name, quiet, tools, console)
     finally:
-        if dist.is_initialized():
+        if owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -104,7 +105,11 @@ def _train(
     device = pick_device(cfg, ranks)
     world = ranks.world_size
     expert_parallel = cfg.expert_parallel and world > 1
-    dispatcher = AllToAllDispatcher() if expert_parallel else LocalDispatcher()
+    dispatcher: Dispatcher = (
+        AllToAllDispatcher.for_mode(cfg.ep_splits, run_ahead=cfg.run_ahead, device=device)
+        if expert_parallel
+        else LocalDispatcher()
+    )
     model = MoETransformer(cfg, dispatcher).to(device)
     init_weights(model, cfg.seed)
     optimizer = _optimizer(model, cfg, device)
@@ -179,9 +184,11 @@ def _train(
                         "demo/step/lr": lr,
                         "demo/step/step_ms": per_step_s * 1e3,
                         "demo/step/tokens_per_s": tokens_per_step / per_step_s,
+                        **dispatcher.report(),  # pacing/* under --expert-parallel
                     },
                 )
                 prof.end_section("log")
+            dispatcher.end_step()
             for tool in tools:
                 tool.step_end(step)
     finally:
