@@ -75,6 +75,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="route each step's batch through a key-value store wrapped in "
         "syncless.dataplane.MetricsClient (put, get with wire digests, clear)",
     )
+    tools.add_argument(
+        "--capture",
+        default=None,
+        metavar="LAYERS",
+        help="capture the hidden states of these layers (all, or e.g. 0,3) through "
+        "syncless.capture into RUN_DIR/captures/",
+    )
+    tools.add_argument(
+        "--capture-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="capture every N steps (default 10)",
+    )
     add_config_arguments(parser)
 
 
@@ -115,6 +129,13 @@ def build_tools(args: argparse.Namespace) -> list:
         from syncless.demo.dataplane_tool import DataplaneTool
 
         tools.append(DataplaneTool())
+    if args.capture is not None:
+        from syncless.demo.capture_tool import CaptureTool
+
+        every = 10 if args.capture_every is None else args.capture_every
+        tools.append(CaptureTool(args.capture, every=every))
+    elif args.capture_every is not None:
+        raise UsageError("--capture-every needs --capture LAYERS")
     return tools
 
 
