@@ -5,6 +5,13 @@ Each chosen block's output (the residual stream after the block) is captured in 
 block's forward hook: a device-to-device copy into the engine's ring, drained to
 ``RUN_DIR/captures/`` by the engine's worker; read it back with
 ``syncless.capture.open(run_dir)``. Tags are ``layer_XX/hidden``.
+
+``--capture-windows`` (expert parallel): every token all-to-all (dispatch and combine,
+forward and backward) is a critical region. A boundary is published on the stream just
+before and just after each one, so boundaries alternate begin / end and the recurring
+pattern is ``WindowPattern(period=2, windows=[(1, 2)])``: the drain's D2H traffic goes
+between the all-to-alls (expert compute, attention, ...). The tiny counts exchange is
+not bracketed: it is latency-bound, not bandwidth-bound.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from syncless.capture import CaptureEngine
+from syncless.capture import CaptureEngine, WindowPattern
+from syncless.demo.dispatch import AllToAllDispatcher
 from syncless.demo.tools import DemoContext
 from syncless.errors import UsageError
 
@@ -38,10 +46,10 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
 class CaptureTool:
     name = "capture"
 
-    def __init__(self, layers: str, every: int = 10) -> None:
+    def __init__(self, layers: str, every: int = 10, windows: bool = False) -> None:
         if every < 1:
             raise UsageError(f"--capture-every must be >= 1, got {every}")
-        self.spec, self.every = layers, every
+        self.spec, self.every, self.windows = layers, every, windows
         self.engine: CaptureEngine | None = None
         self._handles: list = []
         self._step = 0
@@ -63,6 +71,39 @@ class CaptureTool:
             self._handles.append(
                 blocks[i].register_forward_hook(self._hook(f"layer_{i:02d}/hidden"))
             )
+        if self.windows:
+            self._bracket_all_to_alls(ctx)
+
+    def _bracket_all_to_alls(self, ctx: DemoContext) -> None:
+        dispatchers = {
+            id(m.dispatcher): m.dispatcher
+            for m in ctx.model.modules()
+            if isinstance(getattr(m, "dispatcher", None), AllToAllDispatcher)
+        }
+        if not ctx.expert_parallel or not dispatchers:
+            raise UsageError(
+                "--capture-windows brackets the expert-parallel all-to-alls: it needs "
+                "--expert-parallel and more than one rank"
+            )
+        assert self.engine is not None
+        self.engine.define_pattern(WindowPattern(period=2, windows=[(1, 2)]))
+        for dispatcher in dispatchers.values():  # once each: layers may share one
+            dispatcher.comm = self._bracketed(dispatcher.comm)
+
+    def _bracketed(self, comm):
+        engine = self.engine
+        assert engine is not None
+
+        def bracketed(name: str, fn, *args, **kwargs):
+            if not name.startswith(("moe_dispatch", "moe_combine")):
+                return comm(name, fn, *args, **kwargs)
+            engine.advance_boundary()  # the critical region begins
+            try:
+                return comm(name, fn, *args, **kwargs)
+            finally:
+                engine.advance_boundary()  # ... and ends: a window opens
+
+        return bracketed
 
     def _hook(self, tag: str):
         def capture(_module: nn.Module, _args: tuple, output: tuple[torch.Tensor, ...]) -> None:

@@ -89,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="capture every N steps (default 10)",
     )
+    tools.add_argument(
+        "--capture-windows",
+        action="store_true",
+        help="with --capture and --expert-parallel: keep the capture's D2H copies out of "
+        "the token all-to-alls (recurring windows between them)",
+    )
     add_config_arguments(parser)
 
 
@@ -130,12 +136,20 @@ def build_tools(args: argparse.Namespace) -> list:
 
         tools.append(DataplaneTool())
     if args.capture is not None:
-        from syncless.demo.capture_tool import CaptureTool
+        from syncless.demo.capture_tool import CaptureTool, parse_layers
 
         every = 10 if args.capture_every is None else args.capture_every
-        tools.append(CaptureTool(args.capture, every=every))
-    elif args.capture_every is not None:
-        raise UsageError("--capture-every needs --capture LAYERS")
+        cfg = config_from_args(args)
+        parse_layers(args.capture, cfg.n_layers)  # a clear error before training starts
+        if args.capture_windows and not cfg.expert_parallel:
+            raise UsageError(
+                "--capture-windows brackets the expert-parallel all-to-alls: it needs "
+                "--expert-parallel and more than one rank"
+            )
+        tools.append(CaptureTool(args.capture, every=every, windows=args.capture_windows))
+    elif args.capture_every is not None or args.capture_windows:
+        flag = "--capture-every" if args.capture_every is not None else "--capture-windows"
+        raise UsageError(f"{flag} needs --capture LAYERS")
     return tools
 
 

@@ -15,6 +15,8 @@ from syncless.demo.capture_tool import CaptureTool
 from syncless.demo.config import preset
 from syncless.demo.train import run_demo
 from syncless.guard import no_sync
+from syncless.run import open as open_run
+from syncless.testing import spawn_gloo
 
 
 class CloneOutputs:
@@ -93,3 +95,43 @@ def test_bad_capture_flags(capsys):
     assert "expected 'all' or a comma list of layer indices in 0..1" in capsys.readouterr().err
     assert main(["demo", "--capture-every", "3"]) == 2
     assert "--capture-every needs --capture LAYERS" in capsys.readouterr().err
+
+
+def _windows_worker(rank, world, root):
+    cfg = preset("tiny", steps=3, n_layers=2, batch_size=2, seq_len=32, expert_parallel=True)
+    run_demo(cfg, run_dir=root, name="cw", quiet=True,
+             tools=[CaptureTool("0,1", every=1, windows=True)])  # fmt: skip
+
+
+def test_capture_windows_bracket_every_token_all_to_all(tmp_path):
+    """Boundaries: one before and one after each token all-to-all. Ground truth from the
+    demo's dispatcher: per MoE layer and step, dispatch and combine in the forward and
+    their two backward all-to-alls, so 3 steps x 2 layers x 4 x 2 = 48 per rank; every
+    capture goes out inside a window (CPU: the copy is synchronous, windows always fit)."""
+    spawn_gloo(_windows_worker, 2, str(tmp_path / "run"))
+    with open_run(tmp_path / "run") as store:
+        _, rows = store.query(
+            "SELECT rank, name, sum(value) FROM metrics WHERE name IN ("
+            "'capture/step/boundary_count', 'capture/step/captured_count', "
+            "'capture/step/captured_bytes', 'capture/step/d2h_window_bytes') "
+            "GROUP BY 1, 2 ORDER BY 1, 2"
+        )
+    record = 2 * 32 * 64 * 4  # batch x seq x d_model x fp32
+    for rank in (0, 1):
+        got = {name.rsplit("/", 1)[1]: value for r, name, value in rows if r == rank}
+        assert got == {
+            "boundary_count": 48,
+            "captured_count": 6,
+            "captured_bytes": 6 * record,
+            "d2h_window_bytes": 6 * record,
+        }
+    store = open_captures(tmp_path / "run")
+    assert sorted(store.index.column("rank").to_pylist()) == [0] * 6 + [1] * 6
+
+
+def test_capture_windows_needs_expert_parallel(tmp_path, capsys):
+    argv = ["demo", "--steps", "1", "--capture", "0", "--capture-windows", "--run-dir"]
+    assert main([*argv, str(tmp_path / "run")]) == 2
+    assert "--capture-windows brackets the expert-parallel all-to-alls" in capsys.readouterr().err
+    assert main(["demo", "--capture-windows"]) == 2
+    assert "--capture-windows needs --capture LAYERS" in capsys.readouterr().err
