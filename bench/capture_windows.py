@@ -1,0 +1,189 @@
+"""Capture with recurring windows vs ordinary batching on the expert-parallel demo (issue 7).
+
+Two ranks train the demo with expert parallelism and capture the hidden states of
+`--layers` every step (syncless.demo.capture_tool.CaptureTool), once with ordinary
+batching and once with `--capture-windows` (every token all-to-all a critical region,
+the drain copying between them). For each mode, on each rank:
+
+* D2H time overlapping the critical regions, on the device timeline: over the profiled
+  steps (torch.profiler, CUDA activity), the sum over device-to-host memcpys of their
+  intersection with the union of NCCL all-to-all kernels (``SendRecv``);
+* step time: the demo's `demo/step/step_ms`, median over the steps after warm-up;
+* byte-exactness: every captured tensor against a clone of the same block output taken
+  by an independent forward hook (the reference), compared bit for bit.
+
+The issue's target: the overlap falls by >= 97% with windows, every capture byte-exact,
+step time no worse than batching.
+
+    python bench/capture_windows.py --nproc 2                 # demo large on 2 GPUs
+    python bench/capture_windows.py --nproc 2 --preset tiny --steps 6 --no-record
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from results import append_result, metric_values  # bench/ is on sys.path as a script
+from torch.profiler import ProfilerActivity, profile
+
+from syncless.capture import open as open_captures
+from syncless.demo.capture_tool import CaptureTool, parse_layers
+from syncless.demo.config import preset
+from syncless.demo.train import run_demo
+
+MODES = ("batching", "windows")
+
+
+class Reference:
+    """Clones each captured block's output at every step (ground truth), and profiles
+    the device timeline over steps ``[first, last]``."""
+
+    name = "reference"
+
+    def __init__(self, layers: list[int], first: int, last: int) -> None:
+        self.layers, self.first, self.last = layers, first, last
+        self.clones: dict[tuple[str, int], torch.Tensor] = {}
+        self.step = 0
+        self.prof: profile | None = None
+        self.events: list = []
+
+    def attach(self, ctx) -> None:
+        for i in self.layers:
+            ctx.model.layers[i].register_forward_hook(self._hook(f"layer_{i:02d}/hidden"))
+
+    def _hook(self, tag: str):
+        def clone(_m, _a, out):
+            if torch.is_grad_enabled():
+                self.clones[(tag, self.step)] = out[0].detach().clone()
+
+        return clone
+
+    def step_begin(self, step: int) -> None:
+        self.step = step
+        if step == self.first and torch.cuda.is_available():
+            self.prof = profile(activities=[ProfilerActivity.CUDA])
+            self.prof.__enter__()
+
+    def step_end(self, step: int) -> None:
+        if step == self.last and self.prof is not None:
+            torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            self.events = [e for e in self.prof.events() if e.device_type.name == "CUDA"]
+            self.prof = None
+
+    def close(self) -> None:
+        pass
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def overlap_ms(events: list) -> tuple[float, float]:
+    """(D2H memcpy time inside all-to-all kernels, all D2H memcpy time), in ms."""
+    critical = _union(
+        [(e.time_range.start, e.time_range.end) for e in events if "SendRecv" in e.name]
+    )
+    d2h = [(e.time_range.start, e.time_range.end) for e in events if "DtoH" in e.name]
+    inside = sum(
+        max(0.0, min(b, d) - max(a, c)) for a, b in d2h for c, d in critical if c < b and a < d
+    )
+    return inside / 1e3, sum(b - a for a, b in d2h) / 1e3
+
+
+def worker(args: argparse.Namespace) -> None:
+    # One process group for both runs (run_demo then leaves it alone) and the gather.
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    root = Path(args.out)
+    results = {}
+    for mode in MODES:
+        cfg = preset(args.preset, steps=args.steps, expert_parallel=True, log_every=1)
+        layers = parse_layers(args.layers, cfg.n_layers)
+        reference = Reference(layers, first=args.warmup, last=args.steps - 2)
+        tool = CaptureTool(args.layers, every=1, windows=mode == "windows")
+        run_dir = root / mode
+        run_demo(cfg, run_dir=run_dir, name=mode, quiet=True, tools=[tool, reference])
+        rank = dist.get_rank()
+        store = open_captures(run_dir)
+        mine = [i for i, r in enumerate(store.index.column("rank").to_pylist()) if r == rank]
+        tags, steps = store.index.column("tag").to_pylist(), store.index.column("step").to_pylist()
+        exact = len(mine) == len(reference.clones) and all(
+            torch.equal(
+                store.tensor(i).view(torch.uint8),
+                reference.clones[(tags[i], steps[i])].cpu().view(torch.uint8),
+            )
+            for i in mine
+        )
+        step_ms = metric_values(run_dir, "demo/step/step_ms", args.warmup, rank)
+        inside, total = overlap_ms(reference.events)
+        results[mode] = (inside, total, statistics.median(step_ms), exact, len(mine))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        report(args, gathered)
+    dist.destroy_process_group()
+
+
+def report(args: argparse.Namespace, per_rank: list[dict]) -> None:
+    parts = []
+    for mode in MODES:
+        inside = max(r[mode][0] for r in per_rank)
+        total = max(r[mode][1] for r in per_rank)
+        step = max(r[mode][2] for r in per_rank)
+        exact = all(r[mode][3] for r in per_rank)
+        n = sum(r[mode][4] for r in per_rank)
+        parts.append(f"{mode}: D2H inside all-to-alls {inside:.2f} of {total:.2f} ms, step "
+                     f"{step:.1f} ms, {n} captures byte-exact {exact}")  # fmt: skip
+    base, win = (max(r[m][0] for r in per_rank) for m in MODES)
+    cut = (1 - win / base) * 100 if base > 0 else float("nan")
+    line = (f"demo {args.preset} EP 2, layers {args.layers} every step, profiled steps "
+            f"{args.warmup}..{args.steps - 2}: " + "; ".join(parts)
+            + f"; overlap cut by windows {cut:.1f}% (target >= 97%)")  # fmt: skip
+    print(line)
+    if not args.no_record:
+        append_result("capture_windows", line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--preset", default="large")
+    parser.add_argument("--layers", default="0,11,23", help="captured layers (all, or a list)")
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--warmup", type=int, default=4, help="steps before the profiled ones")
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as out:
+        # --nproc stays here: torchrun would read it as an abbreviation of its own
+        # --nproc-per-node, even after the script name.
+        forwarded = [
+            "--preset", args.preset, "--layers", args.layers, "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--out", out,
+            *(["--no-record"] if args.no_record else []),
+        ]  # fmt: skip
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={args.nproc}", __file__, "--worker", *forwarded]  # fmt: skip
+        sys.exit(subprocess.call(cmd))
+
+
+if __name__ == "__main__":
+    main()
