@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from results import append_result, metric_values  # bench/ is on sys.path as a script
+from results import append_result, metric_values
 from torch.profiler import ProfilerActivity, profile
+from torchrun import relaunch  # bench/ is on sys.path as a script
 
 from syncless.capture import open as open_captures
 from syncless.demo.capture_tool import CaptureTool, parse_layers
@@ -170,19 +171,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    import subprocess
-
     with tempfile.TemporaryDirectory() as out:
-        # --nproc stays here: torchrun would read it as an abbreviation of its own
-        # --nproc-per-node, even after the script name.
-        forwarded = [
-            "--preset", args.preset, "--layers", args.layers, "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--out", out,
-            *(["--no-record"] if args.no_record else []),
-        ]  # fmt: skip
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={args.nproc}", __file__, "--worker", *forwarded]  # fmt: skip
-        sys.exit(subprocess.call(cmd))
+        sys.exit(relaunch(__file__, args.nproc, "--out", out))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from dataclasses import astuple, dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torchrun import relaunch  # bench/ is on sys.path as a script
 
 from syncless.demo.config import DemoConfig, preset
 from syncless.demo.dispatch import AllToAllDispatcher
@@ -274,18 +275,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    import subprocess
-
-    # --nproc stays here: torchrun would read it as an abbreviation of its own
-    # --nproc-per-node, even after the script name.
-    forwarded = [
-        "--preset", args.preset, "--rounds", str(args.rounds), "--block", str(args.block),
-        "--warmup", str(args.warmup), "--depths", args.depths, "--modes", args.modes,
-        "--validate-every", str(args.validate_every), *(["--no-record"] if args.no_record else []),
-    ]  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={args.nproc}", __file__, "--worker", *forwarded]  # fmt: skip
-    sys.exit(subprocess.call(cmd))
+    sys.exit(relaunch(__file__, args.nproc))
 
 
 if __name__ == "__main__":

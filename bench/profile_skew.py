@@ -16,6 +16,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torchrun import relaunch  # bench/ is on sys.path as a script
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -72,26 +73,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    import subprocess
-
-    # --nproc stays here: torchrun would read it as an abbreviation of its own
-    # --nproc-per-node, even after the script name.
-    forwarded = [
-        "--delay-ms",
-        str(args.delay_ms),
-        "--size-mb",
-        str(args.size_mb),
-        "--mode",
-        args.mode,
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        *(["--no-record"] if args.no_record else []),
-    ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={args.nproc}", __file__, "--worker", *forwarded]  # fmt: skip
-    sys.exit(subprocess.call(cmd))
+    sys.exit(relaunch(__file__, args.nproc))
 
 
 if __name__ == "__main__":
