@@ -32,7 +32,9 @@ from syncless.monitors.attention_stats import (
     DEFAULT_MAX_ELEMENTS,
     PlanCache,
     RowPlan,
+    check_lengths,
     qk_stats,
+    row_stride,
 )
 from syncless.monitors.base import AREA, MonitorContext, check_every
 
@@ -150,18 +152,22 @@ class _LayerRecorder:
             return
         self._check_shapes(q, k)
         batch, _, q_len, _ = q.shape
-        plan = self.monitor.plans.get(
-            batch, self.n_heads, q_len, k.shape[2], self.causal, self.window, q.device
-        )
+        k_len = k.shape[2]
         seen = batch * q_len  # query rows per head: the mean's count, from shapes only
         if kernels.use_triton(q) and kernels.qk_supported(q, k):
-            assert self.group is not None, "attach() builds the fold group"
-            phase = self._next_phase(plan)
+            # The kernel masks from indices: it needs the stride, never a plan's masks.
+            check_lengths(q_len, k_len, self.causal)
+            stride = row_stride(batch, self.n_heads, q_len, k_len, self.monitor.max_elements)
+            phase = self._next_phase(stride)
             partials = kernels.qk_stats_partials(
-                q, k, self.scale, self.causal, self.window, phase, plan.stride, plan.stride
+                q, k, self.scale, self.causal, self.window, phase, stride, stride
             )
+            assert self.group is not None, "attach() builds the fold group"
             self.group.fold(partials, seen)
             return
+        plan = self.monitor.plans.get(
+            batch, self.n_heads, q_len, k_len, self.causal, self.window, q.device
+        )
         device_type = q.device.type
         if torch.is_autocast_enabled(device_type):
             # float32 statistics even when the forward runs under bf16/fp16 autocast.
@@ -187,16 +193,16 @@ class _LayerRecorder:
         # use every row once, and over the phase each row is used with probability
         # 1/stride, so scaling the sum by stride (Horvitz-Thompson) makes it an unbiased
         # estimate of the sum over all rows.
-        phase = self._next_phase(plan)
+        phase = self._next_phase(stride)
         rows = q[:, :, phase::stride]  # a view: the offset is a host int
         n_rows = rows.shape[2]
         qk_max, entropy_sum = qk_stats(rows, k, self.scale, plan.sampled_mask(phase, n_rows))
         return qk_max, entropy_sum * stride, plan.used_rows[plan.rows - n_rows]
 
-    def _next_phase(self, plan: RowPlan) -> int:
-        if plan.stride == 1:
+    def _next_phase(self, stride: int) -> int:
+        if stride == 1:
             return 0
-        phase = self.sampled_calls % plan.stride
+        phase = self.sampled_calls % stride
         self.sampled_calls += 1
         return phase
 

@@ -43,6 +43,16 @@ def row_stride(batch: int, n_heads: int, q_len: int, k_len: int, max_elements: i
     return -(-q_len // rows)
 
 
+def check_lengths(q_len: int, k_len: int, causal: bool) -> None:
+    """Causal attention needs at least as many keys as queries (host ints only)."""
+    if causal and q_len > k_len:
+        raise ValueError(
+            f"causal attention with {q_len} queries but {k_len} keys: syncless aligns the "
+            "causal mask bottom-right (the last query sees every key), which leaves the "
+            "first queries without any key"
+        )
+
+
 def rows_at_phase(q_len: int, stride: int, phase: int) -> int:
     """How many of the rows ``phase, phase + stride, ...`` are below ``q_len``."""
     return (q_len - phase + stride - 1) // stride
@@ -91,12 +101,7 @@ def build_plan(
     max_elements: int,
 ) -> RowPlan:
     """The plan of one shape (runs once per shape; device ops only, no sync)."""
-    if causal and q_len > k_len:
-        raise ValueError(
-            f"causal attention with {q_len} queries but {k_len} keys: syncless aligns the "
-            "causal mask bottom-right (the last query sees every key), which leaves the "
-            "first queries without any key"
-        )
+    check_lengths(q_len, k_len, causal)
     stride = row_stride(batch, n_heads, q_len, k_len, max_elements)
     rows = rows_at_phase(q_len, stride, 0)
     mask = offsets = None

@@ -159,14 +159,14 @@ SHAPES = [
     ("batch", "heads", "kv_heads", "q_len", "k_len", "causal", "window"), SHAPES
 )
 def test_exact_statistics_match_the_naive_reference(
-    batch, heads, kv_heads, q_len, k_len, causal, window
+    batch, heads, kv_heads, q_len, k_len, causal, window, kernel_backend
 ):
     site = fake_site(heads=heads, kv_heads=kv_heads, causal=causal, window=window)
     mon, ms = monitored([site])
     q, k = qk(batch, heads, kv_heads, q_len, k_len, seed=q_len)
     site.fire(q, k)
     check(flush(ms), naive(q, k, site.scale, causal, window), frac=1.0)
-    assert mon.plans.builds == 1
+    assert mon.plans.builds == (1 if kernel_backend == "torch" else 0)  # the kernel needs none
 
 
 def test_low_precision_inputs_and_autocast_are_computed_in_float32():
@@ -267,7 +267,7 @@ def test_row_stride_keeps_the_budget(budget, batch, heads, q_len, k_len):
     ],
 )
 def test_sampled_mode_matches_the_reference_on_the_sampled_rows(
-    heads, kv_heads, q_len, k_len, causal, window
+    heads, kv_heads, q_len, k_len, causal, window, kernel_backend
 ):
     batch = 2
     # 7 rows fit: stride 3, phases 0 and 1 use 7 rows, phase 2 uses 6.
@@ -286,7 +286,7 @@ def test_sampled_mode_matches_the_reference_on_the_sampled_rows(
         # a lower bound of the exact max
         assert all(s <= e + 1e-9 for s, e in zip(ref.maxes, exact.maxes, strict=True))
         total = ref if total is None else total.merge(ref)
-    assert mon.plans.builds == 1
+    assert mon.plans.builds == (1 if kernel_backend == "torch" else 0)  # the kernel needs none
     # Over one cycle of phases every row is used once: exact max, exact mean entropy.
     np.testing.assert_allclose(total.maxes, exact.maxes, rtol=1e-12)
     np.testing.assert_allclose(total.entropy_sums, exact.entropy_sums, rtol=1e-9)
@@ -367,7 +367,7 @@ def _demo_reference(model: MoETransformer, tokens: torch.Tensor) -> list[Ref]:
     return refs
 
 
-def test_demo_model_end_to_end():
+def test_demo_model_end_to_end(kernel_backend):
     model = MoETransformer(preset("tiny"))
     init_weights(model, seed=0)
     with torch.no_grad():  # far from the 0.02 init so attention is far from uniform
@@ -393,7 +393,8 @@ def test_demo_model_end_to_end():
     for layer in range(len(model.layers)):
         ref = refs[0][layer].merge(refs[1][layer])
         check(readout, ref, layer=layer, frac=1.0)
-    assert mon.plans.builds == 2  # one plan per shape, shared by the layers
+    # torch ops: one plan per shape, shared by the layers; the kernel needs none
+    assert mon.plans.builds == (2 if kernel_backend == "torch" else 0)
 
     # Off-steps record nothing, and removing the handles detaches the monitor.
     mon.active = False
