@@ -143,7 +143,7 @@ def main() -> None:
     # The profiler bills its own host time (profile/self/host_ms): on a host-bound step
     # that is its cost, read without the step-time noise.
     self_ms = {
-        mode: profilers[mode]._self_ns / 1e6 / max(profilers[mode]._w_steps, 1)
+        mode: profilers[mode].report(force=True).values["profile/self/host_ms"]
         for mode in ("events", "sync")
     }
     for mode, ms in self_ms.items():
