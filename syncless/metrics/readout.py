@@ -137,14 +137,6 @@ class Readout:
             return None
         return np.where(self.present[key], self.values[key], np.nan)
 
-    def scalar(self, key: str) -> float | None:
-        """Summary over present elements by the metric's aggregation; None if none."""
-        present = self.present[key]
-        if not present.any():
-            return None
-        kind = np.array([_KIND[self.specs[key].agg]])
-        return float(_summaries(self.values[key], present, np.zeros(1, np.int64), kind)[0])
-
     def records(self, run: str, rank: int, time: float) -> list[StepRecord]:
         """One summary record per key with data, plus one per element where emitted."""
         layout, values, present = self.layout, self.flat_values, self.flat_present
