@@ -51,7 +51,8 @@ class CloneOutputs:
 
 
 class GuardedCapture(CaptureTool):
-    """The demo's capture tool with every hook call under no_sync(): it must not sync."""
+    """The demo's capture tool with every hook call, and every bracketed all-to-all,
+    under no_sync(): neither may sync."""
 
     def _hook(self, tag: str):
         inner = super()._hook(tag)
@@ -59,6 +60,15 @@ class GuardedCapture(CaptureTool):
         def guarded(*args):
             with no_sync(cpu_as_device=True):
                 inner(*args)
+
+        return guarded
+
+    def _bracketed(self, comm):
+        inner = super()._bracketed(comm)
+
+        def guarded(*args, **kwargs):
+            with no_sync(cpu_as_device=True):
+                return inner(*args, **kwargs)
 
         return guarded
 
@@ -100,7 +110,7 @@ def test_bad_capture_flags(capsys):
 def _windows_worker(rank, world, root):
     cfg = preset("tiny", steps=3, n_layers=2, batch_size=2, seq_len=32, expert_parallel=True)
     run_demo(cfg, run_dir=root, name="cw", quiet=True,
-             tools=[CaptureTool("0,1", every=1, windows=True)])  # fmt: skip
+             tools=[GuardedCapture("0,1", every=1, windows=True)])  # fmt: skip
 
 
 def test_capture_windows_bracket_every_token_all_to_all(tmp_path):
