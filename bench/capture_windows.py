@@ -16,7 +16,7 @@ The issue's target: the overlap falls by >= 97% with windows, every capture byte
 step time no worse than batching.
 
     python bench/capture_windows.py --nproc 2                 # demo large on 2 GPUs
-    python bench/capture_windows.py --nproc 2 --preset tiny --steps 6 --no-record
+    python bench/capture_windows.py --nproc 2 --preset tiny --layers 0,1 --steps 6 --no-record
 """
 
 from __future__ import annotations
