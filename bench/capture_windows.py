@@ -8,7 +8,11 @@ the drain copying between them). For each mode, on each rank:
 * D2H time overlapping the critical regions, on the device timeline: over the profiled
   steps (torch.profiler, CUDA activity), the sum over device-to-host memcpys of their
   intersection with the union of NCCL all-to-all kernels (``SendRecv``);
-* step time: the demo's `demo/step/step_ms`, median over the steps after warm-up;
+* step time: the demo's `demo/step/step_ms`, median over the steps after warm-up of
+  every round (the modes alternate for `--rounds` rounds: batching, windows, batching,
+  ...; the device timeline and byte checks come from each mode's first run);
+* host time of `advance_boundary` per step (`capture/self/boundary_host_ms`), the
+  price of declaring the windows;
 * byte-exactness: every captured tensor against a clone of the same block output taken
   by an independent forward hook (the reference), compared bit for bit.
 
@@ -105,31 +109,34 @@ def overlap_ms(events: list) -> tuple[float, float]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    # One process group for both runs (run_demo then leaves it alone) and the gather.
+    # One process group for every run (run_demo then leaves it alone) and the gather.
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     root = Path(args.out)
-    results = {}
-    for mode in MODES:
-        cfg = preset(args.preset, steps=args.steps, expert_parallel=True, log_every=1)
-        layers = parse_layers(args.layers, cfg.n_layers)
-        reference = Reference(layers, first=args.warmup, last=args.steps - 2)
-        tool = CaptureTool(args.layers, every=1, windows=mode == "windows")
-        run_dir = root / mode
-        run_demo(cfg, run_dir=run_dir, name=mode, quiet=True, tools=[tool, reference])
-        rank = dist.get_rank()
-        store = open_captures(run_dir)
-        mine = [i for i, r in enumerate(store.index.column("rank").to_pylist()) if r == rank]
-        tags, steps = store.index.column("tag").to_pylist(), store.index.column("step").to_pylist()
-        exact = len(mine) == len(reference.clones) and all(
-            torch.equal(
-                store.tensor(i).view(torch.uint8),
-                reference.clones[(tags[i], steps[i])].cpu().view(torch.uint8),
+    rank = dist.get_rank()
+    results: dict[str, tuple] = {}
+    step_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
+    boundary_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for round_ in range(args.rounds):
+        for mode in MODES:
+            cfg = preset(args.preset, steps=args.steps, expert_parallel=True, log_every=1)
+            layers = parse_layers(args.layers, cfg.n_layers)
+            first = round_ == 0
+            reference = Reference(layers, args.warmup, args.steps - 2) if first else None
+            tool = CaptureTool(args.layers, every=1, windows=mode == "windows")
+            run_dir = root / f"{mode}-{round_}"
+            tools = [tool, reference] if reference is not None else [tool]
+            run_demo(cfg, run_dir=run_dir, name=mode, quiet=True, tools=tools)
+            step_ms[mode] += metric_values(run_dir, "demo/step/step_ms", args.warmup, rank)
+            boundary_ms[mode] += metric_values(
+                run_dir, "capture/self/boundary_host_ms", args.warmup, rank
             )
-            for i in mine
-        )
-        step_ms = metric_values(run_dir, "demo/step/step_ms", args.warmup, rank)
-        inside, total = overlap_ms(reference.events)
-        results[mode] = (inside, total, statistics.median(step_ms), exact, len(mine))
+            if reference is not None:
+                exact, n = byte_exact(run_dir, rank, reference)
+                inside, total = overlap_ms(reference.events)
+                results[mode] = (inside, total, exact, n)
+    for mode in MODES:
+        boundary = statistics.median(boundary_ms[mode]) if boundary_ms[mode] else 0.0
+        results[mode] += (statistics.median(step_ms[mode]), boundary)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:
@@ -137,21 +144,41 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def byte_exact(run_dir: Path, rank: int, reference: Reference) -> tuple[bool, int]:
+    """Every capture of this rank equals the reference clone bit for bit; how many."""
+    store = open_captures(run_dir)
+    mine = [i for i, r in enumerate(store.index.column("rank").to_pylist()) if r == rank]
+    tags, steps = store.index.column("tag").to_pylist(), store.index.column("step").to_pylist()
+    exact = len(mine) == len(reference.clones) and all(
+        torch.equal(
+            store.tensor(i).view(torch.uint8),
+            reference.clones[(tags[i], steps[i])].cpu().view(torch.uint8),
+        )
+        for i in mine
+    )
+    return exact, len(mine)
+
+
 def report(args: argparse.Namespace, per_rank: list[dict]) -> None:
     parts = []
     for mode in MODES:
         inside = max(r[mode][0] for r in per_rank)
         total = max(r[mode][1] for r in per_rank)
-        step = max(r[mode][2] for r in per_rank)
-        exact = all(r[mode][3] for r in per_rank)
-        n = sum(r[mode][4] for r in per_rank)
+        exact = all(r[mode][2] for r in per_rank)
+        n = sum(r[mode][3] for r in per_rank)
+        step = max(r[mode][4] for r in per_rank)
+        boundary = max(r[mode][5] for r in per_rank)
         parts.append(f"{mode}: D2H inside all-to-alls {inside:.2f} of {total:.2f} ms, step "
-                     f"{step:.1f} ms, {n} captures byte-exact {exact}")  # fmt: skip
+                     f"{step:.1f} ms, advance_boundary host {boundary:.2f} ms/step, {n} "
+                     f"captures byte-exact {exact}")  # fmt: skip
     base, win = (max(r[m][0] for r in per_rank) for m in MODES)
     cut = (1 - win / base) * 100 if base > 0 else float("nan")
-    line = (f"demo {args.preset} EP 2, layers {args.layers} every step, profiled steps "
-            f"{args.warmup}..{args.steps - 2}: " + "; ".join(parts)
-            + f"; overlap cut by windows {cut:.1f}% (target >= 97%)")  # fmt: skip
+    step_base, step_win = (max(r[m][4] for r in per_rank) for m in MODES)
+    line = (f"demo {args.preset} EP 2, layers {args.layers} every step, {args.rounds} "
+            f"alternating rounds of {args.steps} steps, profiled steps {args.warmup}.."
+            f"{args.steps - 2} of round 0: " + "; ".join(parts)
+            + f"; overlap cut by windows {cut:.1f}% (target >= 97%); step windows vs "
+            f"batching {(step_win / step_base - 1) * 100:+.1f}% (target <= 0)")  # fmt: skip
     print(line)
     if not args.no_record:
         append_result("capture_windows", line)
@@ -163,6 +190,7 @@ def main() -> None:
     parser.add_argument("--preset", default="large")
     parser.add_argument("--layers", default="0,11,23", help="captured layers (all, or a list)")
     parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating runs per mode")
     parser.add_argument("--warmup", type=int, default=4, help="steps before the profiled ones")
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--no-record", action="store_true")

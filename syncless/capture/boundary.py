@@ -12,7 +12,16 @@ enqueues, on the framework's stream and without any host sync:
    polls: the host sees the boundary as soon as the stream reaches it.
 
 All four are capturable in a CUDA graph (the events are created ``external=True`` so a
-captured record becomes a graph node). The word is exact under graph replay. Which pool
+captured record becomes a graph node). The word is exact under graph replay.
+
+Eagerly, steps 3 and 4 are one driver stream write instead (``cuStreamWriteValue64``
+of the word the host already knows, into the pinned word): 2 us of host time where the
+device word and its copy cost 65-150 us per boundary on the H200's host
+(bench/RESULTS.md, the ``advance_boundary`` probe of 2026-11-30), times ~200
+boundaries per step of the expert-parallel demo. The device counter is still advanced,
+so a graph captured later counts on from the right value; once any boundary has been
+captured, every later one takes the device path, because a replay advances the device
+count without the host's mirror. Which pool
 slot each boundary's event lands in is decided on the host, though, and a replay does
 not run host code: the engine tags every slot with the boundary it was recorded for and
 treats a boundary whose slot does not match as *not measured* (no evidence), never as a
@@ -27,6 +36,7 @@ boundaries ``0 .. n-1`` have been reached. Defining a pattern restarts the count
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +53,9 @@ Stamp = Any
 
 class Timeline:
     """Time as the copies and the boundaries see it."""
+
+    #: ``wait`` blocks until the stream reaches the stamp (else it returns at once).
+    blocks = False
 
     def stamp(self, stream: Any = None) -> Stamp:
         """A new stamp, taken when ``stream`` reaches this point."""
@@ -81,10 +94,15 @@ class HostTimeline(Timeline):
 
 
 class DeviceTimeline(Timeline):
-    """CUDA: stamps are timing events; elapsed times come from the device clock."""
+    """CUDA: stamps are timing events; elapsed times come from the device clock.
+
+    Events are ``blocking``: a drain waiting on one sleeps instead of spinning a core.
+    """
+
+    blocks = True
 
     def stamp(self, stream: Any = None) -> torch.cuda.Event:
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = torch.cuda.Event(enable_timing=True, blocking=True)
         ev.record(stream)
         return ev
 
@@ -101,6 +119,40 @@ class DeviceTimeline(Timeline):
             # An event not reached yet, or re-recorded for a later boundary meanwhile:
             # this interval is not measured (the caller treats it as no evidence).
             return None
+
+
+class HostWordWriter:
+    """``cuStreamWriteValue64`` into one pinned int64: a write ordered on a stream.
+
+    ``create`` returns None where the driver lacks it or refuses it (no stream memory
+    operations on this platform): the caller keeps the device-op path.
+    """
+
+    def __init__(self, write: Any, address: int) -> None:
+        self._write, self._address = write, address
+
+    @classmethod
+    def create(cls, host: torch.Tensor, device: torch.device) -> HostWordWriter | None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            write = lib.cuStreamWriteValue64_v2
+            write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+            device_ptr = ctypes.c_uint64()
+            host_ptr = ctypes.c_void_p(host.data_ptr())
+            if lib.cuMemHostGetDevicePointer_v2(ctypes.byref(device_ptr), host_ptr, 0) != 0:
+                return None
+            writer = cls(write, device_ptr.value)
+            stream = torch.cuda.current_stream(device)
+            if not writer.write(stream.cuda_stream, int(host[0])):  # probe: same value
+                return None
+            return writer
+        except (OSError, AttributeError):
+            return None
+
+    def write(self, stream_handle: int, word: int) -> bool:
+        """Enqueue ``word`` (the int64 bit pattern, as an unsigned value); True if the
+        driver accepted it."""
+        return self._write(stream_handle, self._address, word & ((1 << 64) - 1), 0) == 0
 
 
 def _signed64(value: int) -> int:
@@ -132,7 +184,8 @@ class BoundaryClock:
         self._owner: list[int] = [-1] * pool
         if self._cuda:
             self._stamps: list[Any] = [
-                torch.cuda.Event(enable_timing=True, external=True) for _ in range(pool)
+                torch.cuda.Event(enable_timing=True, blocking=True, external=True)
+                for _ in range(pool)
             ]
             self.timeline: Timeline = DeviceTimeline()
         else:
@@ -140,6 +193,9 @@ class BoundaryClock:
             self.timeline = HostTimeline(clock)
         self._version_word = 0  # version << COUNTER_BITS, on the host
         self._published = 0  # host mirror of the device count (eager execution)
+        # Eager word writes by the driver; dropped for good once a boundary is captured
+        # in a CUDA graph (replays then advance the device count without the mirror).
+        self._writer = HostWordWriter.create(self._host, device) if self._cuda else None
 
     @hot_path
     def advance(self, stream: Any = None) -> None:
@@ -148,19 +204,32 @@ class BoundaryClock:
         slot = n % self._pool
         self._owner[slot] = self._version_word | n  # first: a reader re-checks it after
         if self._cuda:
+            # The kernels go to the counter's device's current stream by themselves; the
+            # event is told that stream, whatever the current device is.
+            target = torch.cuda.current_stream(self._device) if stream is None else stream
+            self._stamps[slot].record(target)  # before the word: the word implies it
             if stream is None:
-                # The kernels go to the counter's device's current stream by themselves;
-                # the event is told that stream, whatever the current device is.
-                self._stamps[slot].record(torch.cuda.current_stream(self._device))
-                self._publish_word(increment=True)
+                self._advance_word(target, n + 1)
             else:
-                self._stamps[slot].record(stream)  # before the word: the word implies it
                 with torch.cuda.stream(stream):
-                    self._publish_word(increment=True)
+                    self._advance_word(target, n + 1)
         else:
             self._stamps[slot] = self._clock()
             self._publish_word(increment=True)
         self._published = n + 1
+
+    @hot_path
+    def _advance_word(self, stream: Any, count: int) -> None:
+        if self._writer is not None and torch.cuda.is_current_stream_capturing():
+            self._writer = None
+        if self._writer is None:
+            self._publish_word(increment=True)
+            return
+        self._counter.add_(1)  # kept exact for a graph captured later
+        if not self._writer.write(stream.cuda_stream, self._version_word | count):
+            self._writer = None  # refused now: the device path from here on
+            torch.bitwise_or(self._counter, self._version_bits, out=self._word)
+            self._host.copy_(self._word.view(1), non_blocking=True)
 
     @hot_path
     def _publish_word(self, increment: bool) -> None:

@@ -141,6 +141,7 @@ class DrainWorker:
         self._inflight_records = 0  # ring records they cover (the oldest in the ring)
         self._awaiting: list[_Transfer] = []  # window transfers done, CLOSE not yet seen
         self._seen = (0, 0)  # latest boundary word: (version, count)
+        self._waited: tuple[int, int] | None = None  # the next boundary last slept on
         self._open: tuple[int, int, int, int, int] | None = None  # occ, pos, open, close, ver
         self._handled: tuple[int, int, int] | None = None  # (version, occ, pos) last granted
         self._occurrence = 0
@@ -208,12 +209,29 @@ class DrainWorker:
                 self._idle()
 
     def _idle(self) -> None:
-        """Nothing moved this iteration. With a copy in flight and no windows to watch,
-        sleep until it lands (the next copy can only start after it on the copy stream
-        anyway); otherwise look again after ``poll_interval_s`` or when woken."""
-        if self._inflight and not self._windowed():
+        """Nothing moved this iteration: sleep until something can.
+
+        With a copy in flight, until it lands (the next copy can only start after it on
+        the copy stream anyway; a window copy's outcome is judged from device stamps,
+        not from when the drain looks). With windows on the device and nothing in
+        flight, until the stream reaches the next boundary: windows open and close only
+        there. Both waits release the GIL. Polling instead, every ``poll_interval_s``,
+        took the GIL thousands of times a second from a host-bound training thread.
+        Otherwise (CPU, batching, a boundary the host has not published yet) look again
+        after ``poll_interval_s`` or when woken.
+        """
+        windowed = self._windowed()
+        if self._inflight and (self._timeline.blocks or not windowed):
             self._timeline.wait(self._inflight[0].end)
             return
+        # Once per boundary: a stamp that was only captured in a CUDA graph (or is not
+        # recorded yet) returns at once and must not become a spin.
+        if windowed and self._timeline.blocks and self._waited != self._seen:
+            self._waited = self._seen
+            stamp = self._boundary.stamp(*self._seen)
+            if stamp is not None:
+                self._timeline.wait(stamp)
+                return
         self._wake.wait(self._poll)
         self._wake.clear()
 
