@@ -134,7 +134,9 @@ class HostWordWriter:
     @classmethod
     def create(cls, host: torch.Tensor, device: torch.device) -> HostWordWriter | None:
         try:
-            lib = ctypes.CDLL("libcuda.so.1")
+            # PyDLL: the call keeps the GIL. It takes ~2 us, and every GIL release on the
+            # training thread is a chance for the drain thread to take the GIL first.
+            lib = ctypes.PyDLL("libcuda.so.1")
             write = lib.cuStreamWriteValue64_v2
             write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
             device_ptr = ctypes.c_uint64()
