@@ -6,12 +6,14 @@ block's forward hook: a device-to-device copy into the engine's ring, drained to
 ``RUN_DIR/captures/`` by the engine's worker; read it back with
 ``syncless.capture.open(run_dir)``. Tags are ``layer_XX/hidden``.
 
-``--capture-windows`` (expert parallel): every token all-to-all (dispatch and combine,
-forward and backward) is a critical region. A boundary is published on the stream just
-before and just after each one, so boundaries alternate begin / end and the recurring
-pattern is ``WindowPattern(period=2, windows=[(1, 2)])``: the drain's D2H traffic goes
-between the all-to-alls (expert compute, attention, ...). The tiny counts exchange is
-not bracketed: it is latency-bound, not bandwidth-bound.
+``--capture-windows`` (expert parallel): every all-to-all of the MoE layers is a
+critical region: the token dispatch and combine (forward and backward) and the counts
+exchange before each dispatch. A boundary is published on the stream just before and
+just after each one, so boundaries alternate begin / end and the recurring pattern is
+``WindowPattern(period=2, windows=[(1, 2)])``: the drain's D2H traffic goes between the
+all-to-alls (expert compute, attention, ...). The counts exchange moves a few bytes, but
+its NCCL kernel runs, and spins, until the late rank arrives: left unbracketed, window
+copies overlapped it on the H200s (bench/capture_windows.py at b8113e6).
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class CaptureTool:
         assert engine is not None
 
         def bracketed(name: str, fn, *args, **kwargs):
-            if not name.startswith(("moe_dispatch", "moe_combine")):
+            if not name.startswith(("moe_counts", "moe_dispatch", "moe_combine")):
                 return comm(name, fn, *args, **kwargs)
             engine.advance_boundary()  # the critical region begins
             try:

@@ -114,10 +114,11 @@ def _windows_worker(rank, world, root):
 
 
 def test_capture_windows_bracket_every_token_all_to_all(tmp_path):
-    """Boundaries: one before and one after each token all-to-all. Ground truth from the
-    demo's dispatcher: per MoE layer and step, dispatch and combine in the forward and
-    their two backward all-to-alls, so 3 steps x 2 layers x 4 x 2 = 48 per rank; every
-    capture goes out inside a window (CPU: the copy is synchronous, windows always fit)."""
+    """Boundaries: one before and one after each MoE all-to-all. Ground truth from the
+    demo's dispatcher: per MoE layer and step, the counts exchange, dispatch and combine
+    in the forward and the two token backward all-to-alls, so 3 steps x 2 layers x 5 x 2
+    = 60 per rank; every capture goes out inside a window (CPU: the copy is synchronous,
+    windows always fit)."""
     spawn_gloo(_windows_worker, 2, str(tmp_path / "run"))
     with open_run(tmp_path / "run") as store:
         _, rows = store.query(
@@ -130,7 +131,7 @@ def test_capture_windows_bracket_every_token_all_to_all(tmp_path):
     for rank in (0, 1):
         got = {name.rsplit("/", 1)[1]: value for r, name, value in rows if r == rank}
         assert got == {
-            "boundary_count": 48,
+            "boundary_count": 60,
             "captured_count": 6,
             "captured_bytes": 6 * record,
             "d2h_window_bytes": 6 * record,
