@@ -9,9 +9,15 @@ block's forward hook: a device-to-device copy into the engine's ring, drained to
 ``--capture-windows`` (expert parallel): every all-to-all of the MoE layers is a
 critical region: the token dispatch and combine (forward and backward) and the counts
 exchange before each dispatch. A boundary is published on the stream just before and
-just after each one, so boundaries alternate begin / end and the recurring pattern is
-``WindowPattern(period=2, windows=[(1, 2)])``: the drain's D2H traffic goes between the
-all-to-alls (expert compute, attention, ...). The counts exchange moves a few bytes, but
+just after each one, so boundaries alternate begin / end, and the drain's D2H traffic
+goes between the all-to-alls (expert compute, attention, ...). The recurring pattern is
+one training step: step 0 runs without windows and counts its all-to-alls, m; from step
+1 on the pattern is ``WindowPattern(period=2m, windows=[(1, 2), (3, 4), ...])``, so each
+gap of the step is its own window position, with its own learnt byte budget (the gap
+between a counts exchange and its dispatch is microseconds, the one across attention is
+milliseconds: one budget shared by all of them overran the short ones on the H200s, at
+dbf18fc). A step whose all-to-alls differ in number would shift the pattern: the demo's
+steps do not. The counts exchange moves a few bytes, but
 its NCCL kernel runs, and spins, until the late rank arrives: left unbracketed, window
 copies overlapped it on the H200s (bench/capture_windows.py at b8113e6).
 """
@@ -56,6 +62,8 @@ class CaptureTool:
         self._handles: list = []
         self._step = 0
         self._on = False
+        self._comms = 0  # bracketed all-to-alls so far (step 0's set the pattern)
+        self._pattern_defined = False
 
     def attach(self, ctx: DemoContext) -> None:
         cfg = ctx.cfg
@@ -87,10 +95,19 @@ class CaptureTool:
                 "--capture-windows brackets the expert-parallel all-to-alls: it needs "
                 "--expert-parallel and more than one rank"
             )
-        assert self.engine is not None
-        self.engine.define_pattern(WindowPattern(period=2, windows=[(1, 2)]))
         for dispatcher in dispatchers.values():  # once each: layers may share one
             dispatcher.comm = self._bracketed(dispatcher.comm)
+
+    def _define_step_pattern(self) -> None:
+        """From the all-to-alls counted in step 0: one window after each (see module)."""
+        assert self.engine is not None
+        m = self._comms
+        if m == 0:
+            raise UsageError("--capture-windows: step 0 ran no expert-parallel all-to-all")
+        self.engine.define_pattern(
+            WindowPattern(period=2 * m, windows=[(2 * j + 1, 2 * j + 2) for j in range(m)])
+        )
+        self._pattern_defined = True
 
     def _bracketed(self, comm):
         engine = self.engine
@@ -99,6 +116,7 @@ class CaptureTool:
         def bracketed(name: str, fn, *args, **kwargs):
             if not name.startswith(("moe_counts", "moe_dispatch", "moe_combine")):
                 return comm(name, fn, *args, **kwargs)
+            self._comms += 1
             engine.advance_boundary()  # the critical region begins
             try:
                 return comm(name, fn, *args, **kwargs)
@@ -118,6 +136,8 @@ class CaptureTool:
     def step_begin(self, step: int) -> None:
         self._step = step
         self._on = step % self.every == 0
+        if self.windows and step > 0 and not self._pattern_defined:
+            self._define_step_pattern()
 
     def step_end(self, step: int) -> None:
         if self._on and self.engine is not None:

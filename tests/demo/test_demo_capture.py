@@ -117,14 +117,16 @@ def test_capture_windows_bracket_every_token_all_to_all(tmp_path):
     """Boundaries: one before and one after each MoE all-to-all. Ground truth from the
     demo's dispatcher: per MoE layer and step, the counts exchange, dispatch and combine
     in the forward and the two token backward all-to-alls, so 3 steps x 2 layers x 5 x 2
-    = 60 per rank; every capture goes out inside a window (CPU: the copy is synchronous,
-    windows always fit)."""
+    = 60 per rank. Step 0 counts them and runs without windows, so its captures go out by
+    ordinary batching; from step 1 every capture goes out inside a window (CPU: the copy
+    is synchronous, windows always fit)."""
     spawn_gloo(_windows_worker, 2, str(tmp_path / "run"))
     with open_run(tmp_path / "run") as store:
         _, rows = store.query(
             "SELECT rank, name, sum(value) FROM metrics WHERE name IN ("
             "'capture/step/boundary_count', 'capture/step/captured_count', "
-            "'capture/step/captured_bytes', 'capture/step/d2h_window_bytes') "
+            "'capture/step/captured_bytes', 'capture/step/d2h_window_bytes', "
+            "'capture/step/d2h_batch_bytes') "
             "GROUP BY 1, 2 ORDER BY 1, 2"
         )
     record = 2 * 32 * 64 * 4  # batch x seq x d_model x fp32
@@ -134,7 +136,8 @@ def test_capture_windows_bracket_every_token_all_to_all(tmp_path):
             "boundary_count": 60,
             "captured_count": 6,
             "captured_bytes": 6 * record,
-            "d2h_window_bytes": 6 * record,
+            "d2h_window_bytes": 4 * record,  # steps 1 and 2, 2 layers
+            "d2h_batch_bytes": 2 * record,  # step 0
         }
     store = open_captures(tmp_path / "run")
     assert sorted(store.index.column("rank").to_pylist()) == [0] * 6 + [1] * 6
