@@ -14,18 +14,15 @@ enqueues, on the framework's stream and without any host sync:
 All four are capturable in a CUDA graph (the events are created ``external=True`` so a
 captured record becomes a graph node). The word is exact under graph replay.
 
-Eagerly, steps 3 and 4 are one driver stream write instead (``cuStreamWriteValue64``
-of the word the host already knows, into the pinned word): 2 us of host time where the
-device word and its copy cost 65-150 us per boundary on the H200's host
-(bench/RESULTS.md, the ``advance_boundary`` probe of 2026-11-30), times ~200
-boundaries per step of the expert-parallel demo. The device counter is still advanced,
-so a graph captured later counts on from the right value; once any boundary has been
-captured, every later one takes the device path, because a replay advances the device
-count without the host's mirror. Which pool
-slot each boundary's event lands in is decided on the host, though, and a replay does
-not run host code: the engine tags every slot with the boundary it was recorded for and
-treats a boundary whose slot does not match as *not measured* (no evidence), never as a
-wrong measurement.
+Eagerly (not under graph capture) the same boundary is three CUDA driver calls that
+keep the GIL (:mod:`syncless.cuda_driver`): the event record, a stream write of the
+count into the device counter, and a stream write of the word, which the host already
+knows, into the pinned word. On the H200's host the torch ops cost 65-150 us per
+boundary, mostly GIL hand-offs to the drain thread, times ~200 boundaries per step of
+the expert-parallel demo (bench/RESULTS.md, capture_windows, 3746a75 to 07d36f0). The
+device counter stays exact, so a graph captured later counts on from it; once any
+boundary has been captured, every later one takes the torch path, because a replay
+advances the device count without the host's mirror.
 
 On CPU the same steps run synchronously and a boundary's time is the host clock when
 ``advance`` is called (the clock is injectable, for tests).
@@ -36,13 +33,13 @@ boundaries ``0 .. n-1`` have been reached. Defining a pattern restarts the count
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from syncless.capture.windows import COUNTER_BITS, VERSION_BITS, unpack
+from syncless.cuda_driver import Driver, current_raw_stream, driver
 from syncless.hot_path import hot_path
 
 __all__ = ["BoundaryClock", "DeviceTimeline", "HostTimeline", "Stamp", "Timeline"]
@@ -121,42 +118,6 @@ class DeviceTimeline(Timeline):
             return None
 
 
-class HostWordWriter:
-    """``cuStreamWriteValue64`` into one pinned int64: a write ordered on a stream.
-
-    ``create`` returns None where the driver lacks it or refuses it (no stream memory
-    operations on this platform): the caller keeps the device-op path.
-    """
-
-    def __init__(self, write: Any, address: int) -> None:
-        self._write, self._address = write, address
-
-    @classmethod
-    def create(cls, host: torch.Tensor, device: torch.device) -> HostWordWriter | None:
-        try:
-            # PyDLL: the call keeps the GIL. It takes ~2 us, and every GIL release on the
-            # training thread is a chance for the drain thread to take the GIL first.
-            lib = ctypes.PyDLL("libcuda.so.1")
-            write = lib.cuStreamWriteValue64_v2
-            write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-            device_ptr = ctypes.c_uint64()
-            host_ptr = ctypes.c_void_p(host.data_ptr())
-            if lib.cuMemHostGetDevicePointer_v2(ctypes.byref(device_ptr), host_ptr, 0) != 0:
-                return None
-            writer = cls(write, device_ptr.value)
-            stream = torch.cuda.current_stream(device)
-            if not writer.write(stream.cuda_stream, int(host[0])):  # probe: same value
-                return None
-            return writer
-        except (OSError, AttributeError):
-            return None
-
-    def write(self, stream_handle: int, word: int) -> bool:
-        """Enqueue ``word`` (the int64 bit pattern, as an unsigned value); True if the
-        driver accepted it."""
-        return self._write(stream_handle, self._address, word & ((1 << 64) - 1), 0) == 0
-
-
 def _signed64(value: int) -> int:
     """``value`` (0 <= value < 2**64) as the int64 with the same bits."""
     return value - (1 << 64) if value >= 1 << 63 else value
@@ -176,6 +137,7 @@ class BoundaryClock:
         self._cuda = device.type == "cuda"
         self._device = device
         self._counter = torch.zeros((), dtype=torch.int64, device=device)
+        self._counter_address = self._counter.data_ptr()  # never reallocated
         self._version_bits = torch.zeros((), dtype=torch.int64, device=device)
         self._word = torch.zeros((), dtype=torch.int64, device=device)
         self._host = torch.zeros(1, dtype=torch.int64, pin_memory=self._cuda)
@@ -195,9 +157,21 @@ class BoundaryClock:
             self.timeline = HostTimeline(clock)
         self._version_word = 0  # version << COUNTER_BITS, on the host
         self._published = 0  # host mirror of the device count (eager execution)
-        # Eager word writes by the driver; dropped for good once a boundary is captured
-        # in a CUDA graph (replays then advance the device count without the mirror).
-        self._writer = HostWordWriter.create(self._host, device) if self._cuda else None
+        # Eager boundaries through the driver; dropped for good once a boundary is
+        # captured in a CUDA graph (replays advance the device count, not the mirror).
+        self._eager: tuple[Driver, int] | None = self._eager_path() if self._cuda else None
+
+    def _eager_path(self) -> tuple[Driver, int] | None:
+        """The driver and the pinned word's device address, if the driver takes a probe
+        write of the current word (0)."""
+        drv = driver()
+        address = None if drv is None else drv.host_device_pointer(self._host)
+        if drv is None or address is None:
+            return None
+        stream = current_raw_stream(self._device.index)
+        for ev in self._stamps:  # torch creates each CUevent at its first record
+            ev.record(torch.cuda.current_stream(self._device))
+        return (drv, address) if drv.stream_write_u64(stream, address, 0) else None
 
     @hot_path
     def advance(self, stream: Any = None) -> None:
@@ -205,33 +179,47 @@ class BoundaryClock:
         n = self._published
         slot = n % self._pool
         self._owner[slot] = self._version_word | n  # first: a reader re-checks it after
-        if self._cuda:
+        if not self._cuda:
+            self._stamps[slot] = self._clock()
+            self._publish_word(increment=True)
+        elif self._eager is not None and self._advance_eager(stream, slot, n + 1):
+            pass
+        else:
             # The kernels go to the counter's device's current stream by themselves; the
             # event is told that stream, whatever the current device is.
             target = torch.cuda.current_stream(self._device) if stream is None else stream
             self._stamps[slot].record(target)  # before the word: the word implies it
             if stream is None:
-                self._advance_word(target, n + 1)
+                self._publish_word(increment=True)
             else:
                 with torch.cuda.stream(stream):
-                    self._advance_word(target, n + 1)
-        else:
-            self._stamps[slot] = self._clock()
-            self._publish_word(increment=True)
+                    self._publish_word(increment=True)
         self._published = n + 1
 
     @hot_path
-    def _advance_word(self, stream: Any, count: int) -> None:
-        if self._writer is not None and torch.cuda.is_current_stream_capturing():
-            self._writer = None
-        if self._writer is None:
-            self._publish_word(increment=True)
-            return
-        self._counter.add_(1)  # kept exact for a graph captured later
-        if not self._writer.write(stream.cuda_stream, self._version_word | count):
-            self._writer = None  # refused now: the device path from here on
-            torch.bitwise_or(self._counter, self._version_bits, out=self._word)
-            self._host.copy_(self._word.view(1), non_blocking=True)
+    def _advance_eager(self, stream: Any, slot: int, count: int) -> bool:
+        """Stamp, device count and word by the driver; False (and the torch path from
+        now on) under graph capture or if the driver refuses."""
+        assert self._eager is not None
+        if torch.cuda.is_current_stream_capturing():
+            self._eager = None
+            return False
+        drv, word_address = self._eager
+        handle = current_raw_stream(self._device.index) if stream is None else stream.cuda_stream
+        if (
+            drv.event_record(self._stamps[slot].cuda_event, handle)
+            and drv.stream_write_u64(handle, self._counter_address, count)
+            and drv.stream_write_u64(handle, word_address, self._version_word | count)
+        ):
+            return True
+        self._eager = None
+        # Whatever part went through, the torch path below then publishes count.
+        if stream is None:
+            self._counter.fill_(count - 1)
+        else:
+            with torch.cuda.stream(stream):
+                self._counter.fill_(count - 1)
+        return False
 
     @hot_path
     def _publish_word(self, increment: bool) -> None:

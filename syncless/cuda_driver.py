@@ -1,0 +1,80 @@
+"""The few CUDA driver calls syncless makes on the hot path, without releasing the GIL.
+
+Why: a torch call such as ``Event.record()`` releases the GIL around its C++ body. On
+a host-bound training step every release is a chance for another Python thread (a
+drain worker, a writer, a data loader thread) to take the GIL, and the training thread
+then waits for that thread's next release: on the H200's host an event record inside
+the profiler cost tens of microseconds, most of it not the record. These calls go
+through ``ctypes.PyDLL``, which keeps the GIL for the 1-2 us the driver takes.
+
+Each call returns whether the driver accepted it; callers keep their torch path as the
+fallback (no libcuda, a driver that refuses, CUDA graph capture). Handles are the raw
+``CUevent`` / ``CUstream`` integers torch exposes (``Event.cuda_event``, the current
+raw stream).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import torch
+
+_U64 = (1 << 64) - 1
+
+
+class Driver:
+    """``cuEventRecord``, ``cuEventElapsedTime``, ``cuStreamWriteValue64`` and
+    ``cuMemHostGetDevicePointer``."""
+
+    def __init__(self, lib: Any) -> None:
+        self._record = lib.cuEventRecord
+        self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        # CUDA 12.8 added _v2 (and 13 keeps only it in its headers); either has this ABI.
+        elapsed = getattr(lib, "cuEventElapsedTime_v2", None) or lib.cuEventElapsedTime
+        elapsed.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self._elapsed = elapsed
+        self._write = lib.cuStreamWriteValue64_v2
+        self._write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+        self._host_ptr = lib.cuMemHostGetDevicePointer_v2
+        self._host_ptr.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+
+    def event_record(self, event: int, stream: int) -> bool:
+        """Record ``event`` (a ``CUevent``) on ``stream`` (a ``CUstream``)."""
+        return self._record(event, stream) == 0
+
+    def event_elapsed_ms(self, start: int, end: int) -> float | None:
+        """Milliseconds from ``start`` to ``end`` (both complete), or ``None``."""
+        out = ctypes.c_float()
+        return out.value if self._elapsed(ctypes.byref(out), start, end) == 0 else None
+
+    def stream_write_u64(self, stream: int, address: int, value: int) -> bool:
+        """Write ``value`` (any int; its low 64 bits) at device ``address`` when the
+        stream reaches this point."""
+        return self._write(stream, address, value & _U64, 0) == 0
+
+    def host_device_pointer(self, host: torch.Tensor) -> int | None:
+        """The device address of pinned host memory (``None`` if it is not mapped)."""
+        out = ctypes.c_uint64()
+        ok = self._host_ptr(ctypes.byref(out), ctypes.c_void_p(host.data_ptr()), 0) == 0
+        return out.value if ok else None
+
+
+@functools.cache
+def driver() -> Driver | None:
+    """The driver, or ``None`` where libcuda or one of the calls is missing."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return Driver(ctypes.PyDLL("libcuda.so.1"))
+    except (OSError, AttributeError):
+        return None
+
+
+def current_raw_stream(device: int | None = None) -> int:
+    """The current ``CUstream`` of ``device`` (default: the current device), as an int."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:  # not a public API: the slow way if a torch build lacks it
+        return torch.cuda.current_stream(device).cuda_stream
+    return raw(torch.cuda.current_device() if device is None else device)
