@@ -3,8 +3,9 @@
 On a host-bound step (the demo's: a drain per MoE layer) the host time the monitors
 add is step time, and on a noisy host it is far easier to resolve than a step-time
 difference. This prints, on the demo large dims (forward passes under no_grad, bf16
-autocast, fixed batch), for each monitor and kernel backend: host microseconds per
-hook call, billed by the stack itself (``MonitorHandle.hook_host_ns_total``). Beside
+autocast, fixed batch), for each monitor and kernel backend (and for the activations,
+Triton with one grouped launch per forward, ``launch="grouped"``): host microseconds
+per hook call, billed by the stack itself (``MonitorHandle.hook_host_ns_total``). Beside
 them, the cost of the primitives a hook is made of on this host: an empty Python hook,
 one aten op, one ``torch.empty``, one launch of a trivial Triton kernel. Then the
 flush (``handle.step``) with every monitor, and its profile's top entries.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import time
@@ -69,8 +71,16 @@ def primitives(device: torch.device) -> dict[str, float]:
 
 
 def hook_us(model, cfg, tokens, monitor: str, backend: str) -> float:
-    kernels.set_backend(backend)
-    handle = attach(model, build([monitor], every=1), lagged=True)
+    """Host us per hooked module call; ``triton-grouped``: Triton with one grouped
+    launch per forward (``launch="grouped"``, activations only so far)."""
+    grouped = backend == "triton-grouped"
+    kernels.set_backend("triton" if grouped else backend)
+    if grouped:
+        os.environ["SYNCLESS_MONITOR_LAUNCH"] = "grouped"
+    try:
+        handle = attach(model, build([monitor], every=1), lagged=True)
+    finally:
+        os.environ.pop("SYNCLESS_MONITOR_LAUNCH", None)
     autocast = torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=tokens.is_cuda)
     with torch.no_grad(), autocast:
         for step in range(2):  # compile, warm
@@ -133,18 +143,24 @@ def main() -> None:
     if device.type == "cuda" and kernels.triton_importable():
         backends.append("triton")
     hooks = {(m, b): hook_us(model, cfg, tokens, m, b) for b in backends for m in HOOKED}
+    if "triton" in backends:
+        backends.append("triton-grouped")
+        hooks[("activations", "triton-grouped")] = hook_us(
+            model, cfg, tokens, "activations", "triton-grouped"
+        )
     kernels.set_backend("auto")
     flush_ms, profile_text = flush_profile(model, tokens, opt)
 
     print("primitives, host us/call: " + "; ".join(f"{k} {v:.1f}" for k, v in prims.items()))
     for b in backends:
-        row = "; ".join(f"{m} {hooks[(m, b)]:.1f}" for m in HOOKED)
+        row = "; ".join(f"{m} {hooks[(m, b)]:.1f}" for m in HOOKED if (m, b) in hooks)
         print(f"{b} hooks, host us per hooked module call: {row}")
     print(f"flush (handle.step, every monitor): {flush_ms:.2f} ms")
     print(profile_text)
     if not args.no_record:
         hook_text = " | ".join(
-            f"{b}: " + ", ".join(f"{m} {hooks[(m, b)]:.0f}" for m in HOOKED) for b in backends
+            f"{b}: " + ", ".join(f"{m} {hooks[(m, b)]:.0f}" for m in HOOKED if (m, b) in hooks)
+            for b in backends
         )
         append_result(
             "monitor_host_cost",

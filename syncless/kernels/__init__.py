@@ -122,6 +122,20 @@ def channel_absmax_partials(x: torch.Tensor) -> torch.Tensor:
     return channel_absmax_partials(x)
 
 
+def channel_absmax_partials_grouped(
+    first: torch.Tensor, offsets: torch.Tensor, n_layers: int
+) -> torch.Tensor:
+    from syncless.kernels.activations import channel_absmax_partials_grouped
+
+    return channel_absmax_partials_grouped(first, offsets, n_layers)
+
+
+def rows_view(x: torch.Tensor) -> torch.Tensor:
+    from syncless.kernels.activations import rows_view
+
+    return rows_view(x)
+
+
 def nonfinite_partials(x: torch.Tensor) -> torch.Tensor:
     from syncless.kernels.activations import nonfinite_partials
 

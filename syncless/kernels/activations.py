@@ -25,6 +25,23 @@ _BLOCK = 1024
 _MAX_PROGRAMS = 1024
 
 
+@triton.jit
+def _absmax_rows(
+    x_ptr, pr, c, c_ok, R, sxr, ROWS_PER_PROGRAM,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Max |x| of channels ``c`` over this program's rows of ``x_ptr`` ``[R, C]``."""
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    r0 = pr * ROWS_PER_PROGRAM
+    r_end = tl.minimum(r0 + ROWS_PER_PROGRAM, R)
+    for i in range(r0, r_end, BLOCK_R):
+        r = i + tl.arange(0, BLOCK_R)
+        ok = (r < r_end)[:, None] & c_ok[None, :]
+        v = tl.load(x_ptr + r[:, None].to(tl.int64) * sxr + c[None, :], mask=ok, other=0.0)
+        acc = tl.maximum(acc, tl.max(tl.abs(v.to(tl.float32)), axis=0))
+    return acc
+
+
 # Row counts vary with the batch: not specialised (no mid-run recompile).
 @triton.jit(do_not_specialize=["R", "ROWS_PER_PROGRAM"])
 def _absmax_kernel(
@@ -34,15 +51,24 @@ def _absmax_kernel(
     pr = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    r0 = pr * ROWS_PER_PROGRAM
-    r_end = tl.minimum(r0 + ROWS_PER_PROGRAM, R)
-    for i in range(r0, r_end, BLOCK_R):
-        r = i + tl.arange(0, BLOCK_R)
-        ok = (r < r_end)[:, None] & c_ok[None, :]
-        v = tl.load(x_ptr + r[:, None].to(tl.int64) * sxr + c[None, :], mask=ok, other=0.0)
-        acc = tl.maximum(acc, tl.max(tl.abs(v.to(tl.float32)), axis=0))
+    acc = _absmax_rows(x_ptr, pr, c, c_ok, R, sxr, ROWS_PER_PROGRAM, BLOCK_R, BLOCK_C)
     tl.store(out_ptr + pr.to(tl.int64) * C + c, acc, mask=c_ok)
+
+
+@triton.jit(do_not_specialize=["R", "ROWS_PER_PROGRAM"])
+def _absmax_grouped_kernel(
+    x_ptr, offsets_ptr, out_ptr, R, C, sxr, ROWS_PER_PROGRAM, OUT_STRIDE,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Layer ``program_id(2)`` reads ``x_ptr + offsets[layer]`` (elements) and writes its
+    partials at columns ``[layer * C, (layer + 1) * C)`` of ``out`` ``[P, L * C]``."""
+    pr = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    layer = tl.program_id(2)
+    c_ok = c < C
+    base = x_ptr + tl.load(offsets_ptr + layer)
+    acc = _absmax_rows(base, pr, c, c_ok, R, sxr, ROWS_PER_PROGRAM, BLOCK_R, BLOCK_C)
+    tl.store(out_ptr + pr.to(tl.int64) * OUT_STRIDE + layer.to(tl.int64) * C + c, acc, mask=c_ok)
 
 
 @triton.jit(do_not_specialize=["n", "PER_PROGRAM"])
@@ -57,20 +83,25 @@ def _nonfinite_kernel(x_ptr, out_ptr, n, PER_PROGRAM, BLOCK: tl.constexpr):
     tl.store(out_ptr + tl.program_id(0), tl.sum(bad, axis=0).to(tl.float32))
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def rows_view(x: torch.Tensor) -> torch.Tensor:
     """``x`` as ``[rows, channels]`` with unit channel stride (a copy only if it must)."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _row_split(rows: int) -> tuple[int, int]:
+    """(rows per program, programs along the rows): at most ``_MAX_PARTIALS`` partials."""
+    per_program = max(_BLOCK_R, triton.cdiv(rows, _MAX_PARTIALS))
+    per_program = triton.cdiv(per_program, _BLOCK_R) * _BLOCK_R
+    return per_program, triton.cdiv(rows, per_program)
+
+
 @hot_path
 def channel_absmax_partials(x: torch.Tensor) -> torch.Tensor:
     """Partials ``[P, C]`` of per-channel max |x| over every dimension but the last."""
-    x2 = _rows(x)
+    x2 = rows_view(x)
     rows, channels = x2.shape
-    per_program = max(_BLOCK_R, triton.cdiv(rows, _MAX_PARTIALS))
-    per_program = triton.cdiv(per_program, _BLOCK_R) * _BLOCK_R
-    n_partials = triton.cdiv(rows, per_program)
+    per_program, n_partials = _row_split(rows)
     out = torch.empty((n_partials, channels), dtype=torch.float32, device=x.device)
     grid = (n_partials, triton.cdiv(channels, _BLOCK_C))
     _absmax_kernel[grid](
@@ -89,4 +120,24 @@ def nonfinite_partials(x: torch.Tensor) -> torch.Tensor:
     n_programs = max(1, triton.cdiv(n, per_program))
     out = torch.empty((n_programs, 1), dtype=torch.float32, device=x.device)
     _nonfinite_kernel[(n_programs,)](flat, out, n, per_program, BLOCK=_BLOCK)
+    return out
+
+
+@hot_path
+def channel_absmax_partials_grouped(
+    first: torch.Tensor, offsets: torch.Tensor, n_layers: int
+) -> torch.Tensor:
+    """Partials ``[P, L * C]`` of ``L`` layers' ``[rows, channels]`` views in one launch.
+
+    ``first`` is layer 0's view; layer ``l``'s view starts ``offsets[l]`` elements from
+    it (an int64 device tensor) and has the same shape, dtype and row stride.
+    """
+    rows, channels = first.shape
+    per_program, n_partials = _row_split(rows)
+    out = torch.empty((n_partials, n_layers * channels), dtype=torch.float32, device=first.device)
+    grid = (n_partials, triton.cdiv(channels, _BLOCK_C), n_layers)
+    _absmax_grouped_kernel[grid](
+        first, offsets, out, rows, channels, first.stride(0), per_program, n_layers * channels,
+        BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+    )  # fmt: skip
     return out

@@ -23,6 +23,7 @@ from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot
 from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.base import AREA, MonitorContext, check_every
+from syncless.monitors.layer_batch import LayerBatch, launch_mode
 
 NAME = "act_channel_absmax"
 
@@ -39,8 +40,10 @@ class ActivationsMonitor:
         every: int = 1,
         thresholds: Sequence[float] = (20.0, 100.0, 500.0),
         channel_shard: tuple[int, int] | None = None,
+        launch: str | None = None,
     ) -> None:
         self.every = check_every(every)
+        self.launch = launch_mode(launch)  # "grouped": syncless.monitors.layer_batch
         self.active = True
         self.thresholds = tuple(sorted(float(t) for t in thresholds))
         self.channel_shard = channel_shard
@@ -48,6 +51,7 @@ class ActivationsMonitor:
         self._layers: list[int] = []
         # per layer: (channel key, absmax key, ratio key, threshold count keys)
         self._keys: dict[int, tuple[str, str, str, list[str]]] = {}
+        self._batch: LayerBatch | None = None
 
     def prepare(self, ctx: MonitorContext) -> None:
         width = ctx.model.d_model
@@ -69,6 +73,7 @@ class ActivationsMonitor:
             )
 
     def attach(self, ctx: MonitorContext) -> None:
+        groups: dict[int, SlotGroup] = {}
         for site in ctx.model.layers:
             slot = self._slots[site.index]
             column = Column(slot)
@@ -77,18 +82,31 @@ class ActivationsMonitor:
                 width = slot.spec.size // world
                 column = Column(slot, width=width, start=rank * width)
                 slot = _ShardedSlot(slot, rank * width, width)
-            group = SlotGroup(ctx.metrics, [column])
+            groups[site.index] = SlotGroup(ctx.metrics, [column])
             ctx.handles += site.attach_output(
-                ctx.timed(self.name, self._make_output_hook(slot, group))
+                ctx.timed(self.name, self._make_output_hook(site.index, slot, groups))
             )
+        if self.launch == "grouped" and self.channel_shard is None and self._layers:
+            self._batch = LayerBatch(
+                self._layers,
+                SlotGroup(ctx.metrics, [Column(self._slots[i]) for i in self._layers]),
+                view=kernels.rows_view,
+                grouped=kernels.channel_absmax_partials_grouped,
+                single=lambda layer, x: groups[layer].fold(kernels.channel_absmax_partials(x), 1),
+                device=ctx.metrics.buffer.device,  # type: ignore[union-attr]
+            )
+            ctx.batches.append(self._batch)
 
-    def _make_output_hook(self, slot, group: SlotGroup):
+    def _make_output_hook(self, layer: int, slot, groups: dict[int, SlotGroup]):
         @hot_path
         def record(hidden: torch.Tensor) -> None:
             if not self.active:
                 return
             if kernels.use_triton(hidden):
-                group.fold(kernels.channel_absmax_partials(hidden.detach()), 1)
+                if self._batch is not None:
+                    self._batch.add(layer, hidden.detach())
+                    return
+                groups[layer].fold(kernels.channel_absmax_partials(hidden.detach()), 1)
                 return
             dims = tuple(range(hidden.dim() - 1))
             slot.update(torch.linalg.vector_norm(hidden.detach(), ord=float("inf"), dim=dims))

@@ -17,6 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from syncless.metrics import MetricSet, Readout
 from syncless.monitors.adapters import ModelMap
+from syncless.monitors.layer_batch import LayerBatch
 
 AREA = "monitors"
 
@@ -38,6 +39,8 @@ class MonitorContext:
     handles: list[RemovableHandle] = field(default_factory=list)
     # Host nanoseconds spent in each monitor's hooks since the handle last read them.
     host_ns: dict[str, int] = field(default_factory=dict)
+    # Grouped launches (``launch="grouped"``) the handle completes before each flush.
+    batches: list[LayerBatch] = field(default_factory=list)
 
     def timed(self, monitor: str, hook: Callable[..., Any]) -> Callable[..., Any]:
         """``hook`` billing its host time to ``monitor`` (two clock reads, ~0.1 us).

@@ -63,6 +63,8 @@ class MonitorHandle:
         """End of training step ``step``: flush, emit, and arm the next step."""
         start = time.perf_counter()
         any_active = any(m.active for m in self.monitors)
+        for batch in self.ctx.batches:  # before the flush: their folds are this step's
+            batch.launch()
         if any_active:
             self._take_hook_time(step)
         readouts = (
@@ -142,6 +144,8 @@ class MonitorHandle:
         if self._closed:
             return []
         self._closed = True
+        for batch in self.ctx.batches:  # reads of a step that was never flushed
+            batch.launch()
         records = self._records(self.metrics.drain())
         self._publish(records)
         for h in self.ctx.handles:

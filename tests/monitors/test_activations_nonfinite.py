@@ -32,10 +32,11 @@ def _block_outputs(model, tokens):
     return outs
 
 
-def test_activation_statistics_match_a_naive_recount():
+@pytest.mark.parametrize("launch", ["layer", "grouped"])
+def test_activation_statistics_match_a_naive_recount(launch, kernel_backend):
     model = _model()
     thresholds = (0.5, 1.0, 2.0)
-    mon = ActivationsMonitor(thresholds=thresholds)
+    mon = ActivationsMonitor(thresholds=thresholds, launch=launch)
     handle = attach(model, [mon], lagged=False)
     batches = [torch.randint(0, 256, (3, 16)), torch.randint(0, 256, (2, 16))]
     with no_sync(cpu_as_device=True):
@@ -44,6 +45,9 @@ def test_activation_statistics_match_a_naive_recount():
             (logits.square().mean() + balance).backward()
     records = {r.name: r.value for r in handle.step(0)}
     handle.close()
+    if launch == "grouped" and kernel_backend == "triton":
+        # one grouped launch per forward (every layer of the model, in one go)
+        assert (mon._batch.grouped_launches, mon._batch.single_launches) == (2, 0)
 
     per_layer = [[] for _ in model.layers]
     for tokens in batches:
@@ -173,3 +177,30 @@ def test_a_failing_derive_is_counted_not_raised_unless_strict(capsys):
     with pytest.raises(ZeroDivisionError):
         strict.step(0)
     strict.close()
+
+
+def test_grouped_launch_falls_back_per_layer_when_the_set_is_incomplete(kernel_backend):
+    """A forward cut short (only layer 0 ran before the flush) launches that layer alone,
+    and its value is still exact."""
+    if kernel_backend != "triton":
+        pytest.skip("the grouped path is the Triton path")
+    model = _model()
+    mon = ActivationsMonitor(launch="grouped")
+    handle = attach(model, [mon], lagged=False)
+    tokens = torch.randint(0, 256, (2, 8))
+    with no_sync(cpu_as_device=True), torch.no_grad():
+        model.layers[0](model.embed(tokens))
+    records = {r.name: r.value for r in handle.step(0)}
+    handle.close()
+    expected = _block_outputs(model, tokens)[0].abs().max().item()
+    assert records["monitors/layer_00/act_absmax"] == pytest.approx(expected, rel=1e-6)
+    assert "monitors/layer_01/act_absmax" not in records
+    assert (mon._batch.grouped_launches, mon._batch.single_launches) == (0, 1)
+
+
+def test_bad_launch_mode_is_rejected(monkeypatch):
+    with pytest.raises(ValueError, match="expected one of layer, grouped"):
+        ActivationsMonitor(launch="fused")
+    monkeypatch.setenv("SYNCLESS_MONITOR_LAUNCH", "sometimes")
+    with pytest.raises(ValueError, match="SYNCLESS_MONITOR_LAUNCH"):
+        ActivationsMonitor()

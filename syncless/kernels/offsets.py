@@ -1,0 +1,50 @@
+"""Small int64 tables on the device, refreshed every step without a sync.
+
+A grouped kernel finds layer ``l``'s tensor at ``offsets[l]`` elements from layer 0's,
+and those addresses change every step. Building the table with ``torch.tensor(...,
+device="cuda")`` would copy from pageable memory, which synchronizes. Here a table is
+written into one of a few preallocated pinned buffers and copied with one
+non-blocking copy; a pinned buffer is rewritten only once its last copy has completed
+(an event query, no wait), and when none is free ``upload`` returns ``None`` so the
+caller takes its per-layer path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from syncless.hot_path import hot_path
+
+
+class OffsetRing:
+    """``slots`` pinned host buffers and device buffers of ``size`` int64 each."""
+
+    def __init__(self, device: torch.device, size: int, slots: int = 4) -> None:
+        self._cuda = device.type == "cuda"
+        self._host = [
+            torch.empty(size, dtype=torch.int64, pin_memory=self._cuda) for _ in range(slots)
+        ]
+        self._host_np = [h.numpy() for h in self._host]
+        self._device = [torch.empty(size, dtype=torch.int64, device=device) for _ in range(slots)]
+        self._copied = [torch.cuda.Event() if self._cuda else None for _ in range(slots)]
+        self._used = [False] * slots
+        self._next = 0
+        self.size = size
+
+    @hot_path
+    def upload(self, values: list[int]) -> torch.Tensor | None:
+        """``values`` as a device tensor (stream-ordered), or ``None`` if every pinned
+        buffer still has a copy in flight."""
+        i = self._next
+        event = self._copied[i]
+        if self._used[i] and event is not None and not event.query():
+            return None
+        self._next = (i + 1) % len(self._host)
+        n = len(values)
+        self._host_np[i][:n] = values
+        device = self._device[i][:n]
+        device.copy_(self._host[i][:n], non_blocking=self._cuda)
+        if event is not None:
+            event.record()
+        self._used[i] = True
+        return device

@@ -1,0 +1,115 @@
+"""One grouped launch per forward for a monitor's per-layer reads (``launch="grouped"``).
+
+On a host-bound step every kernel launch is host time: two Triton launches per hooked
+module cost ~100 us of the H200's host, 150-220 us per hook in all (bench/RESULTS.md,
+``monitor_host_cost``). In grouped mode a hook only keeps the tensor it would have
+read. When every hooked layer has one (the forward passed the last of them), one
+grouped partials kernel reads all of them and one fold updates every layer's slots:
+two launches per forward instead of two per layer. The tensors held are the layers'
+outputs of the current forward, which training keeps for backward anyway.
+
+The per-layer path is still taken, layer by layer, when the set is not the whole
+model in one forward: a layer seen again before the set is complete (activation
+recompute, a second forward), what is pending at flush, tensors whose shape, dtype or
+row stride differ between layers, or no free offset buffer (``OffsetRing``).
+
+Status: tested in Triton's interpreter (CI); not yet measured on a GPU, hence opt-in
+(``SYNCLESS_MONITOR_LAUNCH=grouped`` or ``launch="grouped"``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from syncless.hot_path import hot_path
+from syncless.kernels.offsets import OffsetRing
+from syncless.metrics.slot_group import SlotGroup
+
+LAUNCHES = ("layer", "grouped")
+
+
+def launch_mode(launch: str | None) -> str:
+    """``launch``, or ``SYNCLESS_MONITOR_LAUNCH`` (default ``layer``), checked."""
+    mode = launch if launch is not None else os.environ.get("SYNCLESS_MONITOR_LAUNCH", "layer")
+    if mode not in LAUNCHES:
+        raise ValueError(
+            f"monitor launch mode {mode!r} (from launch= or SYNCLESS_MONITOR_LAUNCH): "
+            f"expected one of {', '.join(LAUNCHES)}"
+        )
+    return mode
+
+
+class LayerBatch:
+    """Collects one monitor's per-layer views during a forward and launches them at once.
+
+    Args:
+        layers: the hooked layer indices, in forward order.
+        group: a ``SlotGroup`` whose columns are every layer's columns, layer after
+            layer, in the order of ``layers`` (what ``grouped`` writes).
+        view: the tensor a kernel reads, from what the hook got (e.g. ``[rows, C]``).
+        grouped: ``(first view, device offsets, n_layers) -> partials [P, L * width]``.
+        single: ``(layer, view)``: the per-layer path (partials and that layer's fold).
+    """
+
+    def __init__(
+        self,
+        layers: list[int],
+        group: SlotGroup,
+        view: Callable[[torch.Tensor], torch.Tensor],
+        grouped: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+        single: Callable[[int, torch.Tensor], None],
+        device: torch.device,
+    ) -> None:
+        self.layers = layers
+        self.group = group
+        self._view, self._grouped, self._single = view, grouped, single
+        self._offsets = OffsetRing(device, len(layers))
+        self._pending: dict[int, torch.Tensor] = {}
+        self.grouped_launches = 0
+        self.single_launches = 0
+
+    @hot_path
+    def add(self, layer: int, x: torch.Tensor) -> None:
+        """Keep ``layer``'s tensor; launch when every layer has one."""
+        if layer in self._pending:
+            self.launch()
+        self._pending[layer] = self._view(x)
+        if len(self._pending) == len(self.layers):
+            self.launch()
+
+    @hot_path
+    def launch(self) -> None:
+        """Launch what is pending: grouped if it is every layer and they line up."""
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        offsets = self._offsets_of(pending) if len(pending) == len(self.layers) else None
+        table = None if offsets is None else self._offsets.upload(offsets)
+        if table is None:
+            for layer, view in pending.items():
+                self._single(layer, view)
+                self.single_launches += 1
+            return
+        first = pending[self.layers[0]]
+        self.group.fold(self._grouped(first, table, len(self.layers)), 1)
+        self.grouped_launches += 1
+
+    def _offsets_of(self, pending: dict[int, torch.Tensor]) -> list[int] | None:
+        """Element offsets of every layer's view from the first, or ``None`` if the views
+        differ in shape, dtype or strides, or sit at a fraction of an element."""
+        views = [pending[layer] for layer in self.layers]
+        first = views[0]
+        size = first.element_size()
+        base = first.data_ptr()
+        out = []
+        for v in views:
+            if v.shape != first.shape or v.dtype != first.dtype or v.stride() != first.stride():
+                return None
+            delta = v.data_ptr() - base
+            if delta % size:
+                return None
+            out.append(delta // size)
+        return out
