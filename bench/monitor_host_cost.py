@@ -3,8 +3,8 @@
 On a host-bound step (the demo's: a drain per MoE layer) the host time the monitors
 add is step time, and on a noisy host it is far easier to resolve than a step-time
 difference. This prints, on the demo large dims (forward passes under no_grad, bf16
-autocast, fixed batch), for each monitor and kernel backend (and for the activations,
-Triton with one grouped launch per forward, ``launch="grouped"``): host microseconds
+autocast, fixed batch), for each monitor and kernel backend (and for activations and
+nonfinite, Triton with one grouped launch per forward, ``launch="grouped"``): host microseconds
 per hook call, billed by the stack itself (``MonitorHandle.hook_host_ns_total``). Beside
 them, the cost of the primitives a hook is made of on this host: an empty Python hook,
 one aten op, one ``torch.empty``, one launch of a trivial Triton kernel. Then the
@@ -33,6 +33,7 @@ from syncless.demo.model import MoETransformer, init_weights
 from syncless.monitors import MONITORS, attach, build
 
 HOOKED = ("attention", "moe", "activations", "nonfinite")  # norms hooks the optimizer
+GROUPED = ("activations", "nonfinite")  # monitors with launch="grouped" so far
 
 
 def per_call_us(fn: Callable[[], object], calls: int = 400, rounds: int = 5) -> float:
@@ -72,7 +73,7 @@ def primitives(device: torch.device) -> dict[str, float]:
 
 def hook_us(model, cfg, tokens, monitor: str, backend: str) -> float:
     """Host us per hooked module call; ``triton-grouped``: Triton with one grouped
-    launch per forward (``launch="grouped"``, activations only so far)."""
+    launch per forward (``launch="grouped"``, the monitors in GROUPED)."""
     grouped = backend == "triton-grouped"
     kernels.set_backend("triton" if grouped else backend)
     if grouped:
@@ -145,9 +146,8 @@ def main() -> None:
     hooks = {(m, b): hook_us(model, cfg, tokens, m, b) for b in backends for m in HOOKED}
     if "triton" in backends:
         backends.append("triton-grouped")
-        hooks[("activations", "triton-grouped")] = hook_us(
-            model, cfg, tokens, "activations", "triton-grouped"
-        )
+        for m in GROUPED:
+            hooks[(m, "triton-grouped")] = hook_us(model, cfg, tokens, m, "triton-grouped")
     kernels.set_backend("auto")
     flush_ms, profile_text = flush_profile(model, tokens, opt)
 

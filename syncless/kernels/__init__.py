@@ -140,3 +140,17 @@ def nonfinite_partials(x: torch.Tensor) -> torch.Tensor:
     from syncless.kernels.activations import nonfinite_partials
 
     return nonfinite_partials(x)
+
+
+def flat_view(x: torch.Tensor) -> torch.Tensor:
+    from syncless.kernels.activations import flat_view
+
+    return flat_view(x)
+
+
+def nonfinite_partials_grouped(
+    first: torch.Tensor, offsets: torch.Tensor, n_layers: int
+) -> torch.Tensor:
+    from syncless.kernels.activations import nonfinite_partials_grouped
+
+    return nonfinite_partials_grouped(first, offsets, n_layers)

@@ -71,16 +71,35 @@ def _absmax_grouped_kernel(
     tl.store(out_ptr + pr.to(tl.int64) * OUT_STRIDE + layer.to(tl.int64) * C + c, acc, mask=c_ok)
 
 
-@triton.jit(do_not_specialize=["n", "PER_PROGRAM"])
-def _nonfinite_kernel(x_ptr, out_ptr, n, PER_PROGRAM, BLOCK: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * PER_PROGRAM
+@triton.jit
+def _nonfinite_count(x_ptr, program, n, PER_PROGRAM, BLOCK: tl.constexpr):
+    """NaN/Inf elements among this program's ``PER_PROGRAM`` of the flat ``x_ptr``."""
+    start = program.to(tl.int64) * PER_PROGRAM
     end = tl.minimum(start + PER_PROGRAM, n)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     for i in range(start, end, BLOCK):
         o = i + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + o, mask=o < end, other=0.0).to(tl.float32)
         bad += ((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32)
-    tl.store(out_ptr + tl.program_id(0), tl.sum(bad, axis=0).to(tl.float32))
+    return tl.sum(bad, axis=0).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["n", "PER_PROGRAM"])
+def _nonfinite_kernel(x_ptr, out_ptr, n, PER_PROGRAM, BLOCK: tl.constexpr):
+    program = tl.program_id(0)
+    tl.store(out_ptr + program, _nonfinite_count(x_ptr, program, n, PER_PROGRAM, BLOCK))
+
+
+@triton.jit(do_not_specialize=["n", "PER_PROGRAM"])
+def _nonfinite_grouped_kernel(
+    x_ptr, offsets_ptr, out_ptr, n, PER_PROGRAM, L, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Layer ``program_id(1)`` reads ``x_ptr + offsets[layer]``; ``out`` is ``[P, L]``."""
+    program = tl.program_id(0)
+    layer = tl.program_id(1)
+    base = x_ptr + tl.load(offsets_ptr + layer)
+    count = _nonfinite_count(base, program, n, PER_PROGRAM, BLOCK)
+    tl.store(out_ptr + program.to(tl.int64) * L + layer, count)
 
 
 def rows_view(x: torch.Tensor) -> torch.Tensor:
@@ -111,13 +130,23 @@ def channel_absmax_partials(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _flat_split(n: int) -> tuple[int, int]:
+    """(elements per program, programs): at most ``_MAX_PROGRAMS`` partials."""
+    per_program = triton.cdiv(max(triton.cdiv(n, _MAX_PROGRAMS), 1), _BLOCK) * _BLOCK
+    return per_program, max(1, triton.cdiv(n, per_program))
+
+
+def flat_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` flattened, as the nonfinite kernels read it (a copy only if it must)."""
+    return x.reshape(-1) if x.is_contiguous() else x.contiguous().view(-1)
+
+
 @hot_path
 def nonfinite_partials(x: torch.Tensor) -> torch.Tensor:
     """Partials ``[P, 1]``: NaN/Inf elements of ``x`` per program."""
-    flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().view(-1)
+    flat = flat_view(x)
     n = flat.numel()
-    per_program = triton.cdiv(max(triton.cdiv(n, _MAX_PROGRAMS), 1), _BLOCK) * _BLOCK
-    n_programs = max(1, triton.cdiv(n, per_program))
+    per_program, n_programs = _flat_split(n)
     out = torch.empty((n_programs, 1), dtype=torch.float32, device=x.device)
     _nonfinite_kernel[(n_programs,)](flat, out, n, per_program, BLOCK=_BLOCK)
     return out
@@ -140,4 +169,19 @@ def channel_absmax_partials_grouped(
         first, offsets, out, rows, channels, first.stride(0), per_program, n_layers * channels,
         BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
     )  # fmt: skip
+    return out
+
+
+@hot_path
+def nonfinite_partials_grouped(
+    first: torch.Tensor, offsets: torch.Tensor, n_layers: int
+) -> torch.Tensor:
+    """Partials ``[P, L]``: NaN/Inf counts of ``L`` layers' flat views in one launch
+    (layer ``l`` at ``offsets[l]`` elements from ``first``, the same size and dtype)."""
+    n = first.numel()
+    per_program, n_programs = _flat_split(n)
+    out = torch.empty((n_programs, n_layers), dtype=torch.float32, device=first.device)
+    _nonfinite_grouped_kernel[(n_programs, n_layers)](
+        first, offsets, out, n, per_program, n_layers, BLOCK=_BLOCK
+    )
     return out

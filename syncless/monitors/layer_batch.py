@@ -52,6 +52,8 @@ class LayerBatch:
         view: the tensor a kernel reads, from what the hook got (e.g. ``[rows, C]``).
         grouped: ``(first view, device offsets, n_layers) -> partials [P, L * width]``.
         single: ``(layer, view)``: the per-layer path (partials and that layer's fold).
+        after: called with the grouped partials after their fold (e.g. a value over
+            layers that the fold cannot form, such as a max of per-layer sums).
     """
 
     def __init__(
@@ -62,10 +64,11 @@ class LayerBatch:
         grouped: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
         single: Callable[[int, torch.Tensor], None],
         device: torch.device,
+        after: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.layers = layers
         self.group = group
-        self._view, self._grouped, self._single = view, grouped, single
+        self._view, self._grouped, self._single, self._after = view, grouped, single, after
         self._offsets = OffsetRing(device, len(layers))
         self._pending: dict[int, torch.Tensor] = {}
         self.grouped_launches = 0
@@ -94,7 +97,10 @@ class LayerBatch:
                 self.single_launches += 1
             return
         first = pending[self.layers[0]]
-        self.group.fold(self._grouped(first, table, len(self.layers)), 1)
+        partials = self._grouped(first, table, len(self.layers))
+        self.group.fold(partials, 1)
+        if self._after is not None:
+            self._after(partials)
         self.grouped_launches += 1
 
     def _offsets_of(self, pending: dict[int, torch.Tensor]) -> list[int] | None:

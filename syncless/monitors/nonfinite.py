@@ -1,7 +1,10 @@
 """NaN/Inf counts per layer output, and an on-device alert flag.
 
 Hot path per layer: ``count_nonzero(x - x)`` (2 kernels, one read of the activation)
-and the slot ops (2 for the count, 2 for the alert). The alert, ``monitors/step/nonfinite_alert_count``
+and the slot ops (2 for the count, 2 for the alert); on CUDA two fused launches, or,
+with ``launch="grouped"``, two per forward plus the alert's update
+(syncless.monitors.layer_batch), which then lands once the forward has passed the last
+layer: still before backward and the optimizer step. The alert, ``monitors/step/nonfinite_alert_count``
 (the largest per-layer count this step), is a max metric in the same packed buffer: it
 rides in the flush's one D2H copy, and ``alert`` is its device tensor, which training
 code may use on the device (e.g. ``torch.where`` to skip an update) without a sync.
@@ -16,22 +19,27 @@ from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot
 from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.base import AREA, MonitorContext, check_every
+from syncless.monitors.layer_batch import LayerBatch, launch_mode
 
 
 class NonFiniteMonitor:
     name = "nonfinite"
 
-    def __init__(self, every: int = 1) -> None:
+    def __init__(self, every: int = 1, launch: str | None = None) -> None:
         self.every = check_every(every)
         self.active = True
+        self.launch = launch_mode(launch)  # "grouped": syncless.monitors.layer_batch
         self._slots: dict[int, Slot] = {}
         self._alert: Slot | None = None
+        self._batch: LayerBatch | None = None
+        self._layers: list[int] = []
 
     def prepare(self, ctx: MonitorContext) -> None:
         for site in ctx.model.layers:
             self._slots[site.index] = ctx.metrics.declare(
                 AREA, "nonfinite_count", "sum", layer=site.index
             )
+            self._layers.append(site.index)
         self._alert = ctx.metrics.declare(AREA, "nonfinite_alert_count", "max")
 
     @property
@@ -41,14 +49,31 @@ class NonFiniteMonitor:
         return self._alert._max
 
     def attach(self, ctx: MonitorContext) -> None:
+        alert = self._alert
+        assert alert is not None
+        groups: dict[int, SlotGroup] = {}
         for site in ctx.model.layers:
             slot = self._slots[site.index]
-            group = SlotGroup(ctx.metrics, [Column(slot, also_max=self._alert)])
+            groups[site.index] = SlotGroup(ctx.metrics, [Column(slot, also_max=alert)])
             ctx.handles += site.attach_output(
-                ctx.timed(self.name, self._make_output_hook(slot, group))
+                ctx.timed(self.name, self._make_output_hook(site.index, slot, groups))
             )
+        if self.launch == "grouped" and self._layers:
+            # The grouped fold sums each layer's column; the alert (largest per-layer
+            # count of the forward) is a max over columns, which one fold cannot form
+            # race-free, so it is a separate update from the same partials.
+            self._batch = LayerBatch(
+                self._layers,
+                SlotGroup(ctx.metrics, [Column(self._slots[i]) for i in self._layers]),
+                view=kernels.flat_view,
+                grouped=kernels.nonfinite_partials_grouped,
+                single=lambda layer, x: groups[layer].fold(kernels.nonfinite_partials(x), 1),
+                device=ctx.metrics.buffer.device,  # type: ignore[union-attr]
+                after=lambda partials: alert.update(partials.sum(0).max()),
+            )
+            ctx.batches.append(self._batch)
 
-    def _make_output_hook(self, slot: Slot, group: SlotGroup):
+    def _make_output_hook(self, layer: int, slot: Slot, groups: dict[int, SlotGroup]):
         alert = self._alert
         assert alert is not None
 
@@ -60,7 +85,10 @@ class NonFiniteMonitor:
             # isfinite().logical_not().sum() decomposes into 6 (abs, ne, eq, mul, ...).
             h = hidden.detach()
             if kernels.use_triton(h):
-                group.fold(kernels.nonfinite_partials(h), 1)
+                if self._batch is not None:
+                    self._batch.add(layer, h)
+                    return
+                groups[layer].fold(kernels.nonfinite_partials(h), 1)
                 return
             bad = torch.count_nonzero(h - h)
             slot.add(bad)

@@ -73,9 +73,10 @@ def test_activation_statistics_match_a_naive_recount(launch, kernel_backend):
     assert not any("/act_channel_absmax/channel_" in n for n in records)
 
 
-def test_nonfinite_counts_and_device_alert():
+@pytest.mark.parametrize("launch", ["layer", "grouped"])
+def test_nonfinite_counts_and_device_alert(launch, kernel_backend):
     model = _model()
-    mon = NonFiniteMonitor()
+    mon = NonFiniteMonitor(launch=launch)
     handle = attach(model, [mon], lagged=False)
     tokens = torch.randint(0, 256, (2, 8))
     with torch.no_grad():
@@ -90,7 +91,9 @@ def test_nonfinite_counts_and_device_alert():
     assert records["monitors/layer_00/nonfinite_count"] == truth[0]
     assert records["monitors/layer_01/nonfinite_count"] == truth[1]
     assert records["monitors/step/nonfinite_alert_count"] == max(truth)
-    assert float(alert) == max(truth)
+    assert float(alert) == max(truth)  # grouped too: set when the forward passed layer 1
+    if launch == "grouped" and kernel_backend == "triton":
+        assert (mon._batch.grouped_launches, mon._batch.single_launches) == (1, 0)
 
 
 def test_cadence_inactive_steps_record_nothing_and_close_removes_hooks():
