@@ -154,3 +154,9 @@ def nonfinite_partials_grouped(
     from syncless.kernels.activations import nonfinite_partials_grouped
 
     return nonfinite_partials_grouped(first, offsets, n_layers)
+
+
+def router_partials_grouped(*args: Any, **kwargs: Any) -> torch.Tensor:
+    from syncless.kernels.router import router_partials_grouped
+
+    return router_partials_grouped(*args, **kwargs)

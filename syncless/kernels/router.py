@@ -17,12 +17,12 @@ from syncless.hot_path import hot_path
 _BLOCK_T = 64
 
 
-@triton.jit(do_not_specialize=["T"])  # the token count varies with the batch
-def _router_kernel(
-    x_ptr, out_ptr, T, E, sxt, sxe,
+@triton.jit
+def _router_block(
+    x_ptr, pid, T, E, sxt, sxe,
     TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
+    """(per-expert counts, z-loss sum, top-k mass sum) of token block ``pid``."""
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
     t_ok = t < T
@@ -53,10 +53,41 @@ def _router_kernel(
         chosen += tl.max(work, axis=1)
         counts += tl.sum((hit & t_ok[:, None]).to(tl.float32), axis=0)
         work = tl.where(hit, -2.0, work)
+    zsum = tl.sum(tl.where(t_ok, lse * lse, 0.0), axis=0)
+    msum = tl.sum(tl.where(t_ok, chosen / total, 0.0), axis=0)
+    return counts, zsum, msum
+
+
+@triton.jit(do_not_specialize=["T"])  # the token count varies with the batch
+def _router_kernel(
+    x_ptr, out_ptr, T, E, sxt, sxe,
+    TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    counts, zsum, msum = _router_block(x_ptr, pid, T, E, sxt, sxe, TOP_K, SOFTMAX, BLOCK_T, BLOCK_E)
+    e = tl.arange(0, BLOCK_E)
     out_row = out_ptr + pid.to(tl.int64) * (E + 2)
-    tl.store(out_row + e, counts, mask=e_ok)
-    tl.store(out_row + E, tl.sum(tl.where(t_ok, lse * lse, 0.0), axis=0))
-    tl.store(out_row + E + 1, tl.sum(tl.where(t_ok, chosen / total, 0.0), axis=0))
+    tl.store(out_row + e, counts, mask=e < E)
+    tl.store(out_row + E, zsum)
+    tl.store(out_row + E + 1, msum)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _router_grouped_kernel(
+    x_ptr, offsets_ptr, out_ptr, T, E, sxt, sxe, OUT_STRIDE,
+    TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """Layer ``program_id(1)`` reads ``x_ptr + offsets[layer]`` and writes its ``E + 2``
+    columns at ``layer * (E + 2)`` of ``out`` ``[P, L * (E + 2)]``."""
+    pid = tl.program_id(0)
+    layer = tl.program_id(1)
+    base = x_ptr + tl.load(offsets_ptr + layer)
+    counts, zsum, msum = _router_block(base, pid, T, E, sxt, sxe, TOP_K, SOFTMAX, BLOCK_T, BLOCK_E)
+    e = tl.arange(0, BLOCK_E)
+    out_row = out_ptr + pid.to(tl.int64) * OUT_STRIDE + layer.to(tl.int64) * (E + 2)
+    tl.store(out_row + e, counts, mask=e < E)
+    tl.store(out_row + E, zsum)
+    tl.store(out_row + E + 1, msum)
 
 
 @hot_path
@@ -67,6 +98,25 @@ def router_partials(logits: torch.Tensor, top_k: int, softmax: bool) -> torch.Te
     out = torch.empty((n_blocks, n_experts + 2), dtype=torch.float32, device=logits.device)
     _router_kernel[(n_blocks,)](
         logits, out, n_tokens, n_experts, *logits.stride(),
+        TOP_K=top_k, SOFTMAX=softmax, BLOCK_T=_BLOCK_T,
+        BLOCK_E=max(2, triton.next_power_of_2(n_experts)),
+    )  # fmt: skip
+    return out
+
+
+@hot_path
+def router_partials_grouped(
+    first: torch.Tensor, offsets: torch.Tensor, n_layers: int, top_k: int, softmax: bool
+) -> torch.Tensor:
+    """Partials ``[ceil(T / 64), L * (E + 2)]`` of ``L`` layers' router logits ``[T, E]``
+    in one launch (layer ``l`` at ``offsets[l]`` elements from ``first``, same shape,
+    dtype and strides)."""
+    n_tokens, n_experts = first.shape
+    n_blocks = triton.cdiv(n_tokens, _BLOCK_T)
+    width = n_experts + 2
+    out = torch.empty((n_blocks, n_layers * width), dtype=torch.float32, device=first.device)
+    _router_grouped_kernel[(n_blocks, n_layers)](
+        first, offsets, out, n_tokens, n_experts, *first.stride(), n_layers * width,
         TOP_K=top_k, SOFTMAX=softmax, BLOCK_T=_BLOCK_T,
         BLOCK_E=max(2, triton.next_power_of_2(n_experts)),
     )  # fmt: skip

@@ -54,6 +54,8 @@ class LayerBatch:
         single: ``(layer, view)``: the per-layer path (partials and that layer's fold).
         after: called with the grouped partials after their fold (e.g. a value over
             layers that the fold cannot form, such as a max of per-layer sums).
+        samples: the samples one layer's read counts for (the fold's ``n_samples``), from
+            its view; every layer's view has the same shape.
     """
 
     def __init__(
@@ -65,10 +67,12 @@ class LayerBatch:
         single: Callable[[int, torch.Tensor], None],
         device: torch.device,
         after: Callable[[torch.Tensor], None] | None = None,
+        samples: Callable[[torch.Tensor], float] = lambda view: 1.0,
     ) -> None:
         self.layers = layers
         self.group = group
         self._view, self._grouped, self._single, self._after = view, grouped, single, after
+        self._samples = samples
         self._offsets = OffsetRing(device, len(layers))
         self._pending: dict[int, torch.Tensor] = {}
         self.grouped_launches = 0
@@ -98,7 +102,7 @@ class LayerBatch:
             return
         first = pending[self.layers[0]]
         partials = self._grouped(first, table, len(self.layers))
-        self.group.fold(partials, 1)
+        self.group.fold(partials, self._samples(first))
         if self._after is not None:
             self._after(partials)
         self.grouped_launches += 1

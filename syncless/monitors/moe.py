@@ -30,6 +30,7 @@ from syncless.metrics import Readout, Slot, layer_scope
 from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.adapters import RouterSite
 from syncless.monitors.base import AREA, MonitorContext, check_every
+from syncless.monitors.layer_batch import LayerBatch, launch_mode
 
 SCORES = ("softmax", "sigmoid")
 
@@ -171,13 +172,15 @@ class MoEMonitor:
 
     name = "moe"
 
-    def __init__(self, every: int = 1, dead_window: int = 100) -> None:
+    def __init__(self, every: int = 1, dead_window: int = 100, launch: str | None = None) -> None:
         if dead_window < 1:
             raise ValueError(f"dead_window must be >= 1, got {dead_window}")
         self.every = check_every(every)
         self.active = True
         self.dead_window = dead_window
+        self.launch = launch_mode(launch)  # "grouped": syncless.monitors.layer_batch
         self._layers: list[_RouterLayer] = []
+        self._batch: LayerBatch | None = None
 
     def prepare(self, ctx: MonitorContext) -> None:
         for site in ctx.model.routers:
@@ -213,18 +216,44 @@ class MoEMonitor:
         buffer = ctx.metrics.buffer
         if buffer is None:
             raise RuntimeError("MoE monitor: attach() before the metric set's allocate()")
+        groups: dict[int, SlotGroup] = {}
         for layer in self._layers:
             one = torch.ones((), dtype=torch.float64, device=buffer.device)
-            group = SlotGroup(
+            groups[layer.site.layer] = group = SlotGroup(
                 ctx.metrics, [Column(layer.tokens), Column(layer.zloss), Column(layer.mass)]
             )
             hook = ctx.timed(self.name, self._make_logits_hook(layer, one, group))
             ctx.handles += layer.site.attach_logits(hook)
+        shapes = {(r.site.n_experts, r.site.top_k, r.site.score) for r in self._layers}
+        if self.launch == "grouped" and len(shapes) == 1:  # one kernel for every router
+            _, top_k, score = shapes.pop()
+            softmax = score == "softmax"
+
+            def single(index: int, logits: torch.Tensor) -> None:
+                partials = kernels.router_partials(logits, top_k, softmax)
+                groups[index].fold(partials, logits.shape[0])
+
+            self._batch = LayerBatch(
+                [r.site.layer for r in self._layers],
+                SlotGroup(
+                    ctx.metrics,
+                    [Column(slot) for r in self._layers for slot in (r.tokens, r.zloss, r.mass)],
+                ),
+                view=lambda logits: logits,
+                grouped=lambda first, offsets, n: kernels.router_partials_grouped(
+                    first, offsets, n, top_k, softmax
+                ),
+                single=single,
+                device=buffer.device,
+                samples=lambda logits: logits.shape[0],
+            )
+            ctx.batches.append(self._batch)
 
     def _make_logits_hook(self, layer: _RouterLayer, one: torch.Tensor, group: SlotGroup):
         top_k, score = layer.site.top_k, layer.site.score
         tokens, zloss, mass = layer.tokens, layer.zloss, layer.mass
         softmax = score == "softmax"
+        index = layer.site.layer
 
         @hot_path
         def record(logits: torch.Tensor) -> None:
@@ -232,6 +261,9 @@ class MoEMonitor:
                 return
             n_tokens = logits.shape[0]  # a shape, fixed by the batch: not a tensor value
             if kernels.use_triton(logits) and kernels.router_supported(logits.shape[-1]):
+                if self._batch is not None:
+                    self._batch.add(index, logits.detach())
+                    return
                 group.fold(kernels.router_partials(logits, top_k, softmax), n_tokens)
                 return
             stats = router_stats(logits, top_k, score, one)

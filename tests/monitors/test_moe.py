@@ -191,15 +191,21 @@ def _router_logits(model, tokens):
     return out
 
 
-def test_demo_model_end_to_end():
+@pytest.mark.parametrize("launch", ["layer", "grouped"])
+def test_demo_model_end_to_end(launch, kernel_backend):
     model = _demo()
     cfg = preset("tiny")
-    mon, ctx = _monitored(find_layers(model))
+    mon, ctx = _monitored(find_layers(model), launch=launch)
     batches = [torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (3, 10))]
     with no_sync(cpu_as_device=True):
         for tokens in batches:
             logits, balance = model(tokens)
             (logits.square().mean() + balance).backward()
+        for batch in ctx.batches:  # what MonitorHandle.step does before its flush
+            batch.launch()
+    if launch == "grouped" and kernel_backend == "triton":
+        # one grouped launch per forward, each batch a different token count
+        assert (mon._batch.grouped_launches, mon._batch.single_launches) == (2, 0)
     (readout,) = ctx.metrics.flush(0, wait=True)
     out = mon.derive(readout)
     for h in ctx.handles:
