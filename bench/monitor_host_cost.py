@@ -3,9 +3,9 @@
 On a host-bound step (the demo's: a drain per MoE layer) the host time the monitors
 add is step time, and on a noisy host it is far easier to resolve than a step-time
 difference. This prints, on the demo large dims (forward passes under no_grad, bf16
-autocast, fixed batch), for each monitor and kernel backend (and for moe, activations and
-nonfinite, Triton with one grouped launch per forward, ``launch="grouped"``): host microseconds
-per hook call, billed by the stack itself (``MonitorHandle.hook_host_ns_total``). Beside
+autocast, fixed batch), for each monitor and kernel backend, and for Triton with one
+grouped launch per forward (``launch="grouped"``): host microseconds per hook call,
+billed by the stack itself (``MonitorHandle.hook_host_ns_total``). Beside
 them, the cost of the primitives a hook is made of on this host: an empty Python hook,
 one aten op, one ``torch.empty``, one launch of a trivial Triton kernel. Then the
 flush (``handle.step``) with every monitor, and its profile's top entries.
@@ -33,7 +33,7 @@ from syncless.demo.model import MoETransformer, init_weights
 from syncless.monitors import MONITORS, attach, build
 
 HOOKED = ("attention", "moe", "activations", "nonfinite")  # norms hooks the optimizer
-GROUPED = ("moe", "activations", "nonfinite")  # monitors with launch="grouped" so far
+GROUPED = HOOKED  # every hooked monitor has launch="grouped"
 
 
 def per_call_us(fn: Callable[[], object], calls: int = 400, rounds: int = 5) -> float:

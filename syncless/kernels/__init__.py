@@ -160,3 +160,9 @@ def router_partials_grouped(*args: Any, **kwargs: Any) -> torch.Tensor:
     from syncless.kernels.router import router_partials_grouped
 
     return router_partials_grouped(*args, **kwargs)
+
+
+def qk_stats_partials_grouped(*args: Any, **kwargs: Any) -> torch.Tensor:
+    from syncless.kernels.attention import qk_stats_partials_grouped
+
+    return qk_stats_partials_grouped(*args, **kwargs)

@@ -25,23 +25,17 @@ _BLOCK_M = 64
 _BLOCK_N = 64
 
 
-# Batch-dependent sizes and the rotating phase are not specialised: Triton would
-# compile a new variant (~100 ms, seen on the H200) for phase == 1 or a size that is a
-# multiple of 16 the first time one appears, in the middle of training.
-@triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW", "phase", "stride"])
-def _qk_stats_kernel(
-    q_ptr, k_ptr, out_ptr,
+@triton.jit
+def _qk_block(
+    q_ptr, k_ptr, out_row, rb, b, h,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd,
-    H, GROUP, N_ROWS, Q_LEN, K_LEN, N_RB, WINDOW,
+    H, GROUP, N_ROWS, Q_LEN, K_LEN, WINDOW,
     scale, weight, phase, stride,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    rb = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    """Row block ``rb`` of sequence ``b``, head ``h``: writes its partials at ``out_row``."""
     kvh = h // GROUP
     j = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = j < N_ROWS
@@ -102,10 +96,62 @@ def _qk_stats_kernel(
         m = m_new
 
     entropy = tl.where(row_ok, tl.log(s_sum) - t_sum / s_sum, 0.0)
-    out_row = out_ptr + (b * N_RB + rb).to(tl.int64) * (2 * H + 1)
     tl.store(out_row + h, tl.max(tl.where(row_ok, m, float("-inf")), axis=0))
     tl.store(out_row + H + h, tl.sum(entropy, axis=0) * weight)
     tl.store(out_row + 2 * H, tl.sum(row_ok.to(tl.float32), axis=0), mask=h == 0)
+
+
+# Batch-dependent sizes and the rotating phase are not specialised: Triton would
+# compile a new variant (~100 ms, seen on the H200) for phase == 1 or a size that is a
+# multiple of 16 the first time one appears, in the middle of training.
+@triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW", "phase", "stride"])
+def _qk_stats_kernel(
+    q_ptr, k_ptr, out_ptr,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd,
+    H, GROUP, N_ROWS, Q_LEN, K_LEN, N_RB, WINDOW,
+    scale, weight, phase, stride,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    rb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    out_row = out_ptr + (b * N_RB + rb).to(tl.int64) * (2 * H + 1)
+    _qk_block(
+        q_ptr, k_ptr, out_row, rb, b, h, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
+        H, GROUP, N_ROWS, Q_LEN, K_LEN, WINDOW, scale, weight, phase, stride,
+        HEAD_DIM, CAUSAL, HAS_WINDOW, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW"])
+def _qk_stats_grouped_kernel(
+    q_ptr, k_ptr, offsets_ptr, out_ptr,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd,
+    H, GROUP, N_ROWS, Q_LEN, K_LEN, N_RB, WINDOW, L, OUT_STRIDE,
+    scale,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Every row (exact mode) of layer ``program_id(2)``: its q at ``offsets[layer]`` and
+    its k at ``offsets[L + layer]`` elements from ``q_ptr`` / ``k_ptr``; its ``2H + 1``
+    columns at ``layer * (2H + 1)`` of ``out`` ``[B * N_RB, L * (2H + 1)]``."""
+    rb = tl.program_id(0)
+    bh = tl.program_id(1)
+    layer = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    q_base = q_ptr + tl.load(offsets_ptr + layer)
+    k_base = k_ptr + tl.load(offsets_ptr + L + layer)
+    out_row = out_ptr + (b * N_RB + rb).to(tl.int64) * OUT_STRIDE + layer.to(tl.int64) * (2 * H + 1)
+    _qk_block(
+        q_base, k_base, out_row, rb, b, h, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
+        H, GROUP, N_ROWS, Q_LEN, K_LEN, WINDOW, scale, 1.0, 0, 1,
+        HEAD_DIM, CAUSAL, HAS_WINDOW, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
 
 
 @hot_path
@@ -139,6 +185,40 @@ def qk_stats_partials(
         q, k, out, *q.stride(), *k.stride(),
         h, h // hkv, n_rows, q_len, k_len, n_rb, window or 0,
         float(scale), float(weight), phase, stride,
+        HEAD_DIM=head_dim, CAUSAL=causal, HAS_WINDOW=window is not None,
+        PRECISION=precision, UPCAST=upcast, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+    )  # fmt: skip
+    return out
+
+
+@hot_path
+def qk_stats_partials_grouped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    offsets: torch.Tensor,
+    n_layers: int,
+    scale: float,
+    causal: bool,
+    window: int | None,
+) -> torch.Tensor:
+    """Partials ``[B * ceil(Lq / BLOCK_M), L * (2H + 1)]`` of ``L`` layers, every query
+    row (exact mode), in one launch: ``q``/``k`` are layer 0's, layer ``l``'s sit at
+    ``offsets[l]`` / ``offsets[L + l]`` elements from them with the same shapes, dtypes
+    and strides."""
+    b, h, q_len, head_dim = q.shape
+    hkv, k_len = k.shape[1], k.shape[2]
+    n_rb = triton.cdiv(q_len, _BLOCK_M)
+    width = 2 * h + 1
+    out = torch.empty((b * n_rb, n_layers * width), dtype=torch.float32, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    upcast = interpreting() and q.dtype == torch.bfloat16
+    if upcast:
+        precision = "ieee"
+    _qk_stats_grouped_kernel[(n_rb, b * h, n_layers)](
+        q, k, offsets, out, *q.stride(), *k.stride(),
+        h, h // hkv, q_len, q_len, k_len, n_rb, window or 0, n_layers, n_layers * width,
+        float(scale),
         HEAD_DIM=head_dim, CAUSAL=causal, HAS_WINDOW=window is not None,
         PRECISION=precision, UPCAST=upcast, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),

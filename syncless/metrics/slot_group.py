@@ -26,9 +26,11 @@ class Column:
     ``also_max``: a max slot that additionally receives the summed value (a per-call
     count feeding a "largest this step" alert). ``start``: the first element of
     ``slot`` these columns write (a tensor-parallel shard writes its slice).
+    ``slot=None``: ``width`` columns the fold skips (a grouped launch folds what only
+    one column may update, such as a metric shared by every layer, on its own).
     """
 
-    slot: Slot
+    slot: Slot | None
     width: int | None = None
     start: int = 0
     also_max: Slot | None = None
@@ -46,6 +48,13 @@ class SlotGroup:
         counts: list[int] = []
         maxima: list[int] = []
         for col in columns:
+            if col.slot is None:
+                if col.width is None:
+                    raise ValueError("a skipped Column(slot=None) needs its width")
+                sums += [-1] * col.width
+                counts += [-1] * col.width
+                maxima += [-1] * col.width
+                continue
             spec = col.slot.spec
             width = spec.size - col.start if col.width is None else col.width
             if col.start < 0 or col.start + width > spec.size:

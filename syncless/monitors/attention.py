@@ -37,6 +37,7 @@ from syncless.monitors.attention_stats import (
     row_stride,
 )
 from syncless.monitors.base import AREA, MonitorContext, check_every
+from syncless.monitors.layer_batch import LayerBatch, launch_mode
 
 LOGIT_MAX = "attn_qk_logit_max"
 ENTROPY = "attn_entropy_nats"
@@ -53,11 +54,18 @@ class AttentionMonitor:
 
     name = "attention"
 
-    def __init__(self, every: int = 1, max_elements: int = DEFAULT_MAX_ELEMENTS) -> None:
+    def __init__(
+        self,
+        every: int = 1,
+        max_elements: int = DEFAULT_MAX_ELEMENTS,
+        launch: str | None = None,
+    ) -> None:
         if max_elements < 1:
             raise ValueError(f"max_elements must be >= 1, got {max_elements}")
         self.every = check_every(every)
         self.active = True
+        self.launch = launch_mode(launch)  # "grouped": syncless.monitors.layer_batch
+        self._batch: LayerBatch | None = None
         self.max_elements = max_elements
         self.plans = PlanCache(max_elements)
         self._recorders: dict[int, _LayerRecorder] = {}
@@ -89,6 +97,51 @@ class AttentionMonitor:
                 [Column(recorder.logit_max), Column(recorder.entropy), Column(self._frac)],
             )
             ctx.handles += site.attach_qk(ctx.timed(self.name, recorder.record))
+        recorders = [self._recorders[site.layer] for site in ctx.model.attention]
+        if self.launch == "grouped" and len({r.statics for r in recorders}) == 1:
+            self._batch = self._grouped_batch(ctx, recorders)
+            ctx.batches.append(self._batch)
+
+    def _grouped_batch(self, ctx: MonitorContext, recorders: list[_LayerRecorder]) -> LayerBatch:
+        """Every layer's q/k in one launch, in exact mode (a sampled shape, with its
+        rotating phase per layer, takes the per-layer path)."""
+        first = recorders[0]
+        n_heads, scale, causal, window = first.n_heads, first.scale, first.causal, first.window
+        frac = self._frac
+        assert frac is not None
+        by_layer = {r.layer: r for r in recorders}
+
+        def grouped(views: tuple[torch.Tensor, ...], offsets: torch.Tensor, n: int):
+            q, k = views
+            batch, _, q_len, _ = q.shape
+            if row_stride(batch, n_heads, q_len, k.shape[2], self.max_elements) != 1:
+                return None
+            return kernels.qk_stats_partials_grouped(q, k, offsets, n, scale, causal, window)
+
+        def rows_used(partials: torch.Tensor) -> None:
+            # Exact mode: every row seen is used, so the shared fraction gets the rows
+            # of all layers as both its sum and its count (one update, not L racing).
+            used = partials[:, 2 * n_heads :: 2 * n_heads + 1].sum()
+            frac.add(used, count=used)
+
+        # Each layer's 2H + 1 columns: its max logits and entropy sums are folded; its
+        # rows-used column is not (the shared fraction is updated once, above).
+        columns = [
+            c
+            for r in recorders
+            for c in (Column(r.logit_max), Column(r.entropy), Column(None, width=1))
+        ]
+        return LayerBatch(
+            [r.layer for r in recorders],
+            SlotGroup(ctx.metrics, columns),
+            view=lambda q, k: (q, k),
+            grouped=grouped,
+            single=lambda layer, q, k: by_layer[layer].record_fused(q, k),
+            device=ctx.metrics.buffer.device,  # type: ignore[union-attr]
+            after=rows_used,
+            samples=lambda views: views[0].shape[0] * views[0].shape[2],
+            tensors=2,
+        )
 
     def derive(self, readout: Readout) -> dict[str, float]:
         """The layer with the largest logit, and the lowest head entropy of any layer."""
@@ -157,13 +210,11 @@ class _LayerRecorder:
         if kernels.use_triton(q) and kernels.qk_supported(q, k):
             # The kernel masks from indices: it needs the stride, never a plan's masks.
             check_lengths(q_len, k_len, self.causal)
-            stride = row_stride(batch, self.n_heads, q_len, k_len, self.monitor.max_elements)
-            phase = self._next_phase(stride)
-            partials = kernels.qk_stats_partials(
-                q, k, self.scale, self.causal, self.window, phase, stride, stride
-            )
-            assert self.group is not None, "attach() builds the fold group"
-            self.group.fold(partials, seen)
+            batch_of_layers = self.monitor._batch
+            if batch_of_layers is not None:
+                batch_of_layers.add(self.layer, q.detach(), k.detach())
+                return
+            self.record_fused(q, k)
             return
         plan = self.monitor.plans.get(
             batch, self.n_heads, q_len, k_len, self.causal, self.window, q.device
@@ -179,6 +230,25 @@ class _LayerRecorder:
         self.entropy.add(entropy_sum, count=seen)
         assert self.frac is not None, "attach() sets the sampled-fraction slot"
         self.frac.add(used, count=seen)
+
+    @property
+    def statics(self) -> tuple:
+        """What one grouped kernel needs every layer to share."""
+        return (self.n_heads, self.n_kv_heads, self.head_dim, self.scale, self.causal,
+                self.window)  # fmt: skip
+
+    @hot_path
+    def record_fused(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """This layer alone through the fused kernel (sampled rows at a rotating phase
+        when the logits would not fit ``max_elements``)."""
+        batch, _, q_len, _ = q.shape
+        stride = row_stride(batch, self.n_heads, q_len, k.shape[2], self.monitor.max_elements)
+        phase = self._next_phase(stride)
+        partials = kernels.qk_stats_partials(
+            q, k, self.scale, self.causal, self.window, phase, stride, stride
+        )
+        assert self.group is not None, "attach() builds the fold group"
+        self.group.fold(partials, batch * q_len)
 
     @hot_path
     def _measure(

@@ -45,45 +45,51 @@ def launch_mode(launch: str | None) -> str:
 class LayerBatch:
     """Collects one monitor's per-layer views during a forward and launches them at once.
 
+    A layer's read is one or more tensors (attention: q and k). Offsets are uploaded as
+    one table, the first tensor's ``L`` offsets, then the second's, ...
+
     Args:
         layers: the hooked layer indices, in forward order.
         group: a ``SlotGroup`` whose columns are every layer's columns, layer after
             layer, in the order of ``layers`` (what ``grouped`` writes).
-        view: the tensor a kernel reads, from what the hook got (e.g. ``[rows, C]``).
-        grouped: ``(first view, device offsets, n_layers) -> partials [P, L * width]``.
-        single: ``(layer, view)``: the per-layer path (partials and that layer's fold).
+        view: the tensors a kernel reads, from what the hook got (e.g. ``[rows, C]``).
+        grouped: ``(first layer's views, device offsets, n_layers) -> partials
+            [P, L * width]``, or ``None`` when the views rule the grouped kernel out
+            (e.g. a sampled attention shape): then every layer takes ``single``.
+        single: ``(layer, *views)``: the per-layer path (partials and that layer's fold).
         after: called with the grouped partials after their fold (e.g. a value over
             layers that the fold cannot form, such as a max of per-layer sums).
         samples: the samples one layer's read counts for (the fold's ``n_samples``), from
-            its view; every layer's view has the same shape.
+            its views; every layer's views have the same shapes.
     """
 
     def __init__(
         self,
         layers: list[int],
         group: SlotGroup,
-        view: Callable[[torch.Tensor], torch.Tensor],
-        grouped: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
-        single: Callable[[int, torch.Tensor], None],
+        view: Callable[..., tuple[torch.Tensor, ...]],
+        grouped: Callable[[tuple[torch.Tensor, ...], torch.Tensor, int], torch.Tensor | None],
+        single: Callable[..., None],
         device: torch.device,
         after: Callable[[torch.Tensor], None] | None = None,
-        samples: Callable[[torch.Tensor], float] = lambda view: 1.0,
+        samples: Callable[[tuple[torch.Tensor, ...]], float] = lambda views: 1.0,
+        tensors: int = 1,
     ) -> None:
         self.layers = layers
         self.group = group
         self._view, self._grouped, self._single, self._after = view, grouped, single, after
         self._samples = samples
-        self._offsets = OffsetRing(device, len(layers))
-        self._pending: dict[int, torch.Tensor] = {}
+        self._offsets = OffsetRing(device, tensors * len(layers))
+        self._pending: dict[int, tuple[torch.Tensor, ...]] = {}
         self.grouped_launches = 0
         self.single_launches = 0
 
     @hot_path
-    def add(self, layer: int, x: torch.Tensor) -> None:
-        """Keep ``layer``'s tensor; launch when every layer has one."""
+    def add(self, layer: int, *xs: torch.Tensor) -> None:
+        """Keep ``layer``'s tensors; launch when every layer has them."""
         if layer in self._pending:
             self.launch()
-        self._pending[layer] = self._view(x)
+        self._pending[layer] = self._view(*xs)
         if len(self._pending) == len(self.layers):
             self.launch()
 
@@ -95,31 +101,33 @@ class LayerBatch:
             return
         offsets = self._offsets_of(pending) if len(pending) == len(self.layers) else None
         table = None if offsets is None else self._offsets.upload(offsets)
-        if table is None:
-            for layer, view in pending.items():
-                self._single(layer, view)
+        first = pending[self.layers[0]] if table is not None else ()
+        partials = None if table is None else self._grouped(first, table, len(self.layers))
+        if partials is None:
+            for layer, views in pending.items():
+                self._single(layer, *views)
                 self.single_launches += 1
             return
-        first = pending[self.layers[0]]
-        partials = self._grouped(first, table, len(self.layers))
         self.group.fold(partials, self._samples(first))
         if self._after is not None:
             self._after(partials)
         self.grouped_launches += 1
 
-    def _offsets_of(self, pending: dict[int, torch.Tensor]) -> list[int] | None:
-        """Element offsets of every layer's view from the first, or ``None`` if the views
-        differ in shape, dtype or strides, or sit at a fraction of an element."""
-        views = [pending[layer] for layer in self.layers]
-        first = views[0]
-        size = first.element_size()
-        base = first.data_ptr()
+    def _offsets_of(self, pending: dict[int, tuple[torch.Tensor, ...]]) -> list[int] | None:
+        """Element offsets of every layer's views from the first layer's (all of the first
+        tensor's, then the second's, ...), or ``None`` if the views differ in shape,
+        dtype or strides, or sit at a fraction of an element."""
+        per_layer = [pending[layer] for layer in self.layers]
         out = []
-        for v in views:
-            if v.shape != first.shape or v.dtype != first.dtype or v.stride() != first.stride():
-                return None
-            delta = v.data_ptr() - base
-            if delta % size:
-                return None
-            out.append(delta // size)
+        for i, first in enumerate(per_layer[0]):
+            size, base = first.element_size(), first.data_ptr()
+            for views in per_layer:
+                v = views[i]
+                same = v.shape == first.shape and v.dtype == first.dtype
+                if not same or v.stride() != first.stride():
+                    return None
+                delta = v.data_ptr() - base
+                if delta % size:
+                    return None
+                out.append(delta // size)
         return out

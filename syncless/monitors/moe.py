@@ -239,13 +239,13 @@ class MoEMonitor:
                     ctx.metrics,
                     [Column(slot) for r in self._layers for slot in (r.tokens, r.zloss, r.mass)],
                 ),
-                view=lambda logits: logits,
+                view=lambda logits: (logits,),
                 grouped=lambda first, offsets, n: kernels.router_partials_grouped(
-                    first, offsets, n, top_k, softmax
+                    first[0], offsets, n, top_k, softmax
                 ),
                 single=single,
                 device=buffer.device,
-                samples=lambda logits: logits.shape[0],
+                samples=lambda views: views[0].shape[0],
             )
             ctx.batches.append(self._batch)
 

@@ -25,7 +25,9 @@ pytestmark = [
 NAMES = ["attention", "moe", "activations", "nonfinite"]
 
 
-def _readout(backend: str, tokens: torch.Tensor, poison: bool) -> dict[str, np.ndarray]:
+def _readout(
+    backend: str, tokens: torch.Tensor, poison: bool, launch: str = "layer"
+) -> dict[str, np.ndarray]:
     previous = kernels.backend()
     kernels.set_backend(backend)
     try:
@@ -42,6 +44,7 @@ def _readout(backend: str, tokens: torch.Tensor, poison: bool) -> dict[str, np.n
         ctx = MonitorContext(find_layers(model), MetricSet())
         monitors = build(NAMES)
         for m in monitors:
+            m.launch = launch
             m.prepare(ctx)
         ctx.metrics.allocate("cuda")
         for m in monitors:
@@ -49,6 +52,10 @@ def _readout(backend: str, tokens: torch.Tensor, poison: bool) -> dict[str, np.n
         with no_sync(), torch.autocast("cuda", dtype=torch.bfloat16):
             model(tokens)
             model(tokens[:1, :40])  # a second shape: accumulation across calls
+        for batch in ctx.batches:
+            batch.launch()
+        if launch == "grouped":
+            assert all(b.grouped_launches == 2 for b in ctx.batches), "one per forward"
         (out,) = ctx.metrics.flush(0, wait=True)
         return out.values
     finally:
@@ -68,6 +75,17 @@ def test_triton_and_torch_paths_agree_under_bf16_autocast(poison):
             continue  # NaN: the torch max propagates it, the kernel skips it (documented)
         else:
             np.testing.assert_allclose(got[key], ref[key], rtol=2e-3, atol=1e-4, err_msg=key)
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_grouped_launches_agree_with_per_layer_launches(poison):
+    """launch="grouped" (one kernel per monitor per forward) on the compiled kernels."""
+    tokens = torch.randint(0, 256, (4, 64), device="cuda")
+    ref = _readout("triton", tokens, poison)
+    got = _readout("triton", tokens, poison, launch="grouped")
+    assert ref.keys() == got.keys()
+    for key in ref:
+        np.testing.assert_allclose(got[key], ref[key], rtol=1e-6, atol=0, err_msg=key)
 
 
 def test_fused_record_replays_in_a_cuda_graph():

@@ -367,7 +367,8 @@ def _demo_reference(model: MoETransformer, tokens: torch.Tensor) -> list[Ref]:
     return refs
 
 
-def test_demo_model_end_to_end(kernel_backend):
+@pytest.mark.parametrize("launch", ["layer", "grouped"])
+def test_demo_model_end_to_end(kernel_backend, launch):
     model = MoETransformer(preset("tiny"))
     init_weights(model, seed=0)
     with torch.no_grad():  # far from the 0.02 init so attention is far from uniform
@@ -381,7 +382,7 @@ def test_demo_model_end_to_end(kernel_backend):
     ]
     refs = [_demo_reference(model, t) for t in batches]  # before any hook is attached
     ctx = MonitorContext(find_layers(model), MetricSet())
-    mon = AttentionMonitor()
+    mon = AttentionMonitor(launch=launch)
     mon.prepare(ctx)
     ctx.metrics.allocate("cpu")
     mon.attach(ctx)
@@ -389,6 +390,9 @@ def test_demo_model_end_to_end(kernel_backend):
         for tokens in batches:
             logits, balance = model(tokens)
             (logits.square().mean() + balance).backward()
+    if launch == "grouped" and kernel_backend == "triton":
+        # one grouped launch per forward: both layers' q/k in one kernel
+        assert (mon._batch.grouped_launches, mon._batch.single_launches) == (2, 0)
     readout = flush(ctx.metrics)
     for layer in range(len(model.layers)):
         ref = refs[0][layer].merge(refs[1][layer])
@@ -477,3 +481,31 @@ def test_two_ranks_aggregate_max_and_count_weighted_entropy():
         )
         used = refs[0].seen + sampled1.rows
         np.testing.assert_allclose(mixed_values[FRAC], [used / mixed.seen])
+
+
+def test_grouped_launch_takes_the_per_layer_path_in_sampled_mode(kernel_backend):
+    """Above the budget each layer rotates its own sampling phase: the grouped kernel
+    (exact rows only) steps aside, and the values equal the per-layer launches'."""
+    if kernel_backend != "triton":
+        pytest.skip("the grouped path is the Triton path")
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(4))
+    readouts = {}
+    for launch in ("layer", "grouped"):
+        model = MoETransformer(preset("tiny"))
+        init_weights(model, seed=0)
+        ctx = MonitorContext(find_layers(model), MetricSet())
+        mon = AttentionMonitor(max_elements=64, launch=launch)
+        mon.prepare(ctx)
+        ctx.metrics.allocate("cpu")
+        mon.attach(ctx)
+        with no_sync(cpu_as_device=True), torch.no_grad():
+            for _ in range(3):
+                model(tokens)
+        readouts[launch] = flush(ctx.metrics)
+        if launch == "grouped":
+            assert mon._batch.grouped_launches == 0
+            assert mon._batch.single_launches == 3 * len(model.layers)
+    for key in readouts["layer"].values:
+        np.testing.assert_array_equal(
+            readouts["layer"].values[key], readouts["grouped"].values[key]
+        )
