@@ -6,7 +6,10 @@ module cost ~100 us of the H200's host, 150-220 us per hook in all (bench/RESULT
 read. When every hooked layer has one (the forward passed the last of them), one
 grouped partials kernel reads all of them and one fold updates every layer's slots:
 two launches per forward instead of two per layer. The tensors held are the layers'
-outputs of the current forward, which training keeps for backward anyway.
+outputs of the current forward, which training keeps for backward anyway; under
+``no_grad`` (evaluation) nothing does, so there each layer launches on its own. With
+activation checkpointing the outputs are not kept either, and holding them would undo
+part of its saving: use ``launch="layer"`` there.
 
 The per-layer path is still taken, layer by layer, when the set is not the whole
 model in one forward: a layer seen again before the set is complete (activation
@@ -87,6 +90,12 @@ class LayerBatch:
     @hot_path
     def add(self, layer: int, *xs: torch.Tensor) -> None:
         """Keep ``layer``'s tensors; launch when every layer has them."""
+        if not torch.is_grad_enabled():
+            # No autograd graph keeps these tensors past their layer (an evaluation
+            # forward): holding them to the end of the forward would cost memory.
+            self._single(layer, *self._view(*xs))
+            self.single_launches += 1
+            return
         if layer in self._pending:
             self.launch()
         self._pending[layer] = self._view(*xs)

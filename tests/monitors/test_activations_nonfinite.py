@@ -81,8 +81,8 @@ def test_nonfinite_counts_and_device_alert(launch, kernel_backend):
     tokens = torch.randint(0, 256, (2, 8))
     with torch.no_grad():
         model.layers[1].moe.router.gate.weight[0, 0] = float("nan")
-    with no_sync(cpu_as_device=True), torch.no_grad():
-        model(tokens)
+    with no_sync(cpu_as_device=True):
+        model(tokens)  # with autograd on: the grouped launch holds the layers' outputs
         alert = mon.alert.clone()  # on the device, no read-back
     records = {r.name: r.value for r in handle.step(0)}
     handle.close()  # the reference forward below must not feed the monitor
@@ -191,14 +191,34 @@ def test_grouped_launch_falls_back_per_layer_when_the_set_is_incomplete(kernel_b
     mon = ActivationsMonitor(launch="grouped")
     handle = attach(model, [mon], lagged=False)
     tokens = torch.randint(0, 256, (2, 8))
-    with no_sync(cpu_as_device=True), torch.no_grad():
+    with no_sync(cpu_as_device=True):
         model.layers[0](model.embed(tokens))
+        assert list(mon._batch._pending) == [0]  # held: layer 1 may still come
     records = {r.name: r.value for r in handle.step(0)}
     handle.close()
     expected = _block_outputs(model, tokens)[0].abs().max().item()
     assert records["monitors/layer_00/act_absmax"] == pytest.approx(expected, rel=1e-6)
     assert "monitors/layer_01/act_absmax" not in records
     assert (mon._batch.grouped_launches, mon._batch.single_launches) == (0, 1)
+
+
+def test_grouped_launch_does_not_hold_tensors_in_an_evaluation_forward(kernel_backend):
+    """Under no_grad nothing else keeps the layer outputs alive: each layer launches."""
+    if kernel_backend != "triton":
+        pytest.skip("the grouped path is the Triton path")
+    model = _model()
+    mon = ActivationsMonitor(launch="grouped")
+    handle = attach(model, [mon], lagged=False)
+    tokens = torch.randint(0, 256, (2, 8))
+    with no_sync(cpu_as_device=True), torch.no_grad():
+        model(tokens)
+        assert not mon._batch._pending
+    records = {r.name: r.value for r in handle.step(0)}
+    handle.close()
+    for i, out in enumerate(_block_outputs(model, tokens)):
+        got = records[f"monitors/layer_{i:02d}/act_absmax"]
+        assert got == pytest.approx(out.abs().max().item(), rel=1e-6)
+    assert (mon._batch.grouped_launches, mon._batch.single_launches) == (0, len(model.layers))
 
 
 def test_bad_launch_mode_is_rejected(monkeypatch):
