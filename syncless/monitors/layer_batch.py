@@ -90,9 +90,13 @@ class LayerBatch:
     @hot_path
     def add(self, layer: int, *xs: torch.Tensor) -> None:
         """Keep ``layer``'s tensors; launch when every layer has them."""
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or (
+            xs[0].is_cuda and torch.cuda.is_current_stream_capturing()
+        ):
             # No autograd graph keeps these tensors past their layer (an evaluation
-            # forward): holding them to the end of the forward would cost memory.
+            # forward): holding them to the end of the forward would cost memory. Under
+            # CUDA graph capture the offset upload (a pinned buffer and an event query)
+            # has no place: the per-layer launches are what the graph replays.
             self._single(layer, *self._view(*xs))
             self.single_launches += 1
             return
