@@ -237,8 +237,11 @@ class NormsMonitor:
         out: dict[str, float] = {}
         totals = dict.fromkeys(QUANTITIES, 0.0)
         seen_any = dict.fromkeys(QUANTITIES, False)
-        for layer in dict.fromkeys(g.layer for g in self._groups):
-            sums = _layer_sums(readout, [g for g in self._groups if g.layer == layer])
+        by_layer: dict[int, list[_Group]] = {}
+        for g in self._groups:  # one pass, not one filter of every group per layer
+            by_layer.setdefault(g.layer, []).append(g)
+        for layer, groups in by_layer.items():
+            sums = _layer_sums(readout, groups)
             if not sums:
                 continue
             scope = f"{AREA}/{layer_scope(layer)}"
