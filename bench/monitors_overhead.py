@@ -7,9 +7,10 @@ allocate; collections are theirs to pay), with the setup's objects frozen out of
 
 For each phase (all monitors, each monitor alone, the naive implementation) the
 monitors stay attached for a segment of steps and are switched on by the host cadence
-in a period-4 pattern: off, off, ON, off. A monitored step's hooks land in its own step
-time and its flush in the next step's (a step runs from one loss read-back to the
-next; the flush follows the read-back), so the cost of one monitored step is
+in a period-4 pattern: off, off, ON, off. A monitored step's hooks and its flush land
+in its own step time (the flush runs after the optimizer step and before the loss
+read-back, as in the demo: lagged, it overlaps the device's tail of the step), and any
+lagged device work in the next step's, so the cost of one monitored step is
 
     (t[ON] + t[ON+1]) - (t[ON-2] + t[ON-1])
 
@@ -82,11 +83,16 @@ def run_phase(
         guard = census() if counting else None
         if guard is not None:
             guard.__enter__()
-        train(step0 + i)
+        flush = None
         if on and handle is not None:
-            t_flush = time.perf_counter()
-            handle.step(step0 + i)  # flush only after a monitored step
-            flush_s += time.perf_counter() - t_flush
+
+            def flush(h=handle, s=step0 + i) -> None:  # only after a monitored step
+                nonlocal flush_s
+                t_flush = time.perf_counter()
+                h.step(s)
+                flush_s += time.perf_counter() - t_flush
+
+        train(step0 + i, before_read=flush)
         if on and naive is not None:
             naive.norms(train.model)
         if guard is not None:

@@ -11,6 +11,7 @@ H200's host, dc2abca), which is why the benchmarks also print low-percentile rat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,10 @@ class TrainStep:
         self.bf16 = device.type == "cuda"
         self.profiler: Any = OFF  # a benchmark may switch profilers between steps
 
-    def __call__(self, step: int) -> float:
+    def __call__(self, step: int, before_read: Callable[[], None] | None = None) -> float:
+        """One step; ``before_read`` runs after the optimizer step is enqueued and before
+        the loss read-back (where the demo flushes its monitors, so a lagged flush's host
+        work overlaps the device's tail of the step)."""
         prof = self.profiler
         inputs, targets = self.batch[:, :-1], self.batch[:, 1:]
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
@@ -51,6 +55,8 @@ class TrainStep:
             clip_grad_norm(self.model, self.cfg.grad_clip, False)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        if before_read is not None:
+            before_read()
         with prof.section("log", category="sync"):
             return loss.item()  # the demo's one read-back per step
 

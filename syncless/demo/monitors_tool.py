@@ -27,9 +27,14 @@ class MonitorsTool:
     def step_begin(self, step: int) -> None:
         pass
 
-    def step_end(self, step: int) -> None:
+    def step_enqueued(self, step: int) -> None:
+        # Before the loss read-back: the flush is lagged (it reads the previous step's
+        # copy), so its host work overlaps the device's backward and optimizer tail.
         assert self.handle is not None
         self.handle.step(step)
+
+    def step_end(self, step: int) -> None:
+        pass
 
     def close(self) -> None:
         if self.handle is not None:

@@ -51,5 +51,11 @@ class DemoTool(Protocol):
         """After the optimizer step and the step's logging (cold path: the tool may
         flush and emit records)."""
 
+    # Optional: ``step_enqueued(step)``, called after the optimizer step is enqueued and
+    # before the step's host read-back (the loss log). Host work there that needs no
+    # result of this step (a lagged flush) runs while the device is still busy with
+    # the backward and the optimizer, instead of after the read-back, when the device
+    # has gone idle and waits for the next step's first kernels.
+
     def close(self) -> None:
         """After the last step; emit final records and release hooks."""

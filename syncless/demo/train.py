@@ -159,6 +159,10 @@ def _train(
                 optimizer.zero_grad(set_to_none=True)
             lr = schedule.get_last_lr()[0]
             schedule.step()
+            for tool in tools:
+                enqueued = getattr(tool, "step_enqueued", None)  # optional (tools.py)
+                if enqueued is not None:
+                    enqueued(step)
 
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
                 prof.begin_section("log", category="sync")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,15 @@ class _Pending:
     step: int
     host: np.ndarray
     event: torch.cuda.Event | None
+
+    def landed(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+#: Pinned host buffers a flush copies into, in turn. A readout is decoded once its copy
+#: has landed, so a host that runs ahead of the device keeps up to this many copies in
+#: flight before a flush waits for the oldest (the only wait, and a bound on memory).
+HOST_BUFFERS = 4
 
 
 class MetricSet:
@@ -41,7 +51,7 @@ class MetricSet:
         self._slots: dict[str, Slot] = {}
         self._locked = False
         self.buffer: torch.Tensor | None = None
-        self._pending: _Pending | None = None
+        self._pending: deque[_Pending] = deque()  # oldest first
         self._host: list[torch.Tensor] = []
         self._host_np: list[np.ndarray] = []
         self._turn = 0
@@ -128,7 +138,8 @@ class MetricSet:
             self._slots[spec.key].bind(self.buffer, offsets, self.gate, self.gate_on, neg_inf)
         pin = device.type == "cuda"
         self._host = [
-            torch.empty(self.buffer.numel(), dtype=torch.float64, pin_memory=pin) for _ in range(2)
+            torch.empty(self.buffer.numel(), dtype=torch.float64, pin_memory=pin)
+            for _ in range(HOST_BUFFERS)
         ]
         # numpy views made once here: reading the landed copy is then plain host memory
         # access, not a torch call a sync detector would have to reason about.
@@ -149,19 +160,25 @@ class MetricSet:
     def flush(self, step: int, wait: bool = False) -> list[Readout]:
         """Reduce across ranks, start the D2H copy, reset; return finished readouts.
 
-        Lagged (default): returns the previous flush's readout (empty at the first
-        flush). ``wait=True``: also waits for this flush and returns it.
+        Lagged (default): returns the readouts of earlier flushes whose copies have
+        landed, oldest first (usually just the previous one; none at the first flush,
+        or while the device is still behind). It waits only when every host buffer
+        holds a copy not landed yet (the host ``HOST_BUFFERS`` flushes ahead), and then
+        only for the oldest. ``wait=True``: also waits for this flush and returns it.
         """
         if self.buffer is None:
             raise RuntimeError("flush() before allocate()")
         buf = self.buffer
+        ready: list[Readout] = []
+        if len(self._pending) == len(self._host):  # this turn's buffer is still unread
+            ready.append(self._read(self._pending.popleft()))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             # The two packed collectives of a flush; contiguous views of one buffer.
             dist.all_reduce(buf[: self._sum_len], op=dist.ReduceOp.SUM, group=self.group)
             dist.all_reduce(buf[self._sum_len :], op=dist.ReduceOp.MAX, group=self.group)
             self.collectives += 2
         host, host_np = self._host[self._turn], self._host_np[self._turn]
-        self._turn ^= 1
+        self._turn = (self._turn + 1) % len(self._host)
         host.copy_(buf, non_blocking=buf.is_cuda)
         self.d2h_copies += 1
         event = None
@@ -170,23 +187,25 @@ class MetricSet:
             event.record()
         self._reset()  # stream-ordered after the copy
         self.flushes += 1
-        ready: list[Readout] = []
-        previous, self._pending = self._pending, _Pending(step, host_np, event)
-        if previous is not None:
-            ready.append(self._read(previous))
+        while self._pending and self._pending[0].landed():
+            ready.append(self._read(self._pending.popleft()))
+        current = _Pending(step, host_np, event)
         if wait:
-            ready.append(self._read(self._pending))
-            self._pending = None
+            ready += [self._read(p) for p in self._pending]
+            self._pending.clear()
+            ready.append(self._read(current))
+        else:
+            self._pending.append(current)
         return ready
 
     def drain(self) -> list[Readout]:
-        """The readout still pending from the last lagged flush, if any."""
-        previous, self._pending = self._pending, None
-        return [self._read(previous)] if previous is not None else []
+        """Every readout still pending (waiting for copies in flight), oldest first."""
+        pending, self._pending = list(self._pending), deque()
+        return [self._read(p) for p in pending]
 
     def _read(self, pending: _Pending) -> Readout:
         if pending.event is not None:
-            # A step after the copy was enqueued this returns at once; it only waits
-            # when called right after flush (wait=True or drain at the end).
+            # Landed already (checked by query) unless called from wait=True, drain(),
+            # or with every host buffer in flight.
             pending.event.synchronize()
         return decode(pending.step, pending.host, self._layout)

@@ -81,6 +81,53 @@ def test_flush_is_lagged_by_default_and_resets():
     assert ms.d2h_copies == 2 and ms.collectives == 0
 
 
+class _Copy:
+    """A stand-in for a flush's CUDA event: lands when the test says so, and records
+    whether anyone waited on it."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.waited or not self.done  # a landed copy returns at once
+        self.done = True
+
+
+def test_a_copy_still_in_flight_is_read_at_a_later_flush_without_waiting():
+    """A host ahead of the device: readouts come back late and in order, no flush waits
+    until every host buffer holds a copy in flight, and then only for the oldest."""
+    from syncless.metrics.metric_set import HOST_BUFFERS
+
+    ms = MetricSet()
+    slot = ms.declare("t", "x_sum", "sum")
+    ms.allocate("cpu")
+    copies = []
+
+    def flush(step):
+        slot.add(torch.tensor(float(step + 1)))
+        out = ms.flush(step)
+        copies.append(_Copy())
+        ms._pending[-1].event = copies[-1]  # what a CUDA flush records
+        return [(r.step, r.get("t/step/x_sum")[0]) for r in out]
+
+    assert flush(0) == []
+    assert flush(1) == []  # step 0's copy has not landed: nothing, and no wait
+    copies[0].done = True
+    assert flush(2) == [(0, 1.0)]
+    copies[1].done = copies[2].done = True
+    assert flush(3) == [(1, 2.0), (2, 3.0)]
+    for step in range(4, 3 + HOST_BUFFERS):  # the host runs ahead of every copy
+        assert flush(step) == []
+    assert not any(c.waited for c in copies)
+    # every buffer holds a copy in flight now: the next flush waits for the oldest only
+    assert flush(3 + HOST_BUFFERS) == [(3, 4.0)]
+    assert [c.waited for c in copies[3:5]] == [True, False]
+
+
 def test_counts_stay_exact_beyond_2_pow_24():
     ms = MetricSet()
     slot = ms.declare("t", "v", "mean")
