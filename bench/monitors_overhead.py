@@ -38,6 +38,7 @@ import json
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -65,6 +66,14 @@ def run_phase(
         handle = attach(train.model, build(names, optimizer=train.optimizer, every=1), run=run)
     times = []
     flush_s = 0.0
+
+    def timed_flush(step: int) -> None:
+        nonlocal flush_s
+        assert handle is not None
+        start = time.perf_counter()
+        handle.step(step)
+        flush_s += time.perf_counter() - start
+
     step0 = stats.setdefault("step", 0)
     last = time.perf_counter()
     for i in range(warmup + periods * PERIOD):
@@ -83,16 +92,8 @@ def run_phase(
         guard = census() if counting else None
         if guard is not None:
             guard.__enter__()
-        flush = None
-        if on and handle is not None:
-
-            def flush(h=handle, s=step0 + i) -> None:  # only after a monitored step
-                nonlocal flush_s
-                t_flush = time.perf_counter()
-                h.step(s)
-                flush_s += time.perf_counter() - t_flush
-
-        train(step0 + i, before_read=flush)
+        flush = partial(timed_flush, step0 + i) if on and handle is not None else None
+        train(step0 + i, before_read=flush)  # flush only after a monitored step
         if on and naive is not None:
             naive.norms(train.model)
         if guard is not None:

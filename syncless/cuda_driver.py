@@ -3,9 +3,11 @@
 Why: a torch call such as ``Event.record()`` releases the GIL around its C++ body. On
 a host-bound training step every release is a chance for another Python thread (a
 drain worker, a writer, a data loader thread) to take the GIL, and the training thread
-then waits for that thread's next release: on the H200's host an event record inside
-the profiler cost tens of microseconds, most of it not the record. These calls go
-through ``ctypes.PyDLL``, which keeps the GIL for the 1-2 us the driver takes.
+then waits for that thread's next release. These calls go through ``ctypes.PyDLL``,
+which keeps the GIL for the ~2 us a driver call took on the H200's host. Measured
+there (bench/RESULTS.md): the profiler's own host time fell from 5.96 to 3.88 ms per
+step (profile_overhead, 4e46bc2 and a9d2e96), and the capture boundaries' from 15-22
+to 6.97 ms per step (capture_windows, 3746a75 to 07d36f0, and a9d2e96).
 
 Each call returns whether the driver accepted it; callers keep their torch path as the
 fallback (no libcuda, a driver that refuses, CUDA graph capture). Handles are the raw

@@ -17,9 +17,9 @@ captured record becomes a graph node). The word is exact under graph replay.
 Eagerly (not under graph capture) the same boundary is three CUDA driver calls that
 keep the GIL (:mod:`syncless.cuda_driver`): the event record, a stream write of the
 count into the device counter, and a stream write of the word, which the host already
-knows, into the pinned word. On the H200's host the torch ops cost 65-150 us per
-boundary, mostly GIL hand-offs to the drain thread, times ~200 boundaries per step of
-the expert-parallel demo (bench/RESULTS.md, capture_windows, 3746a75 to 07d36f0). The
+knows, into the pinned word. In the expert-parallel demo on two H200s (~240
+boundaries per step) the torch ops cost 15-22 ms of host time per step, the driver
+calls 6.97 ms (bench/RESULTS.md, capture_windows, 3746a75 to 07d36f0, and a9d2e96). The
 device counter stays exact, so a graph captured later counts on from it; once any
 boundary has been captured, every later one takes the torch path, because a replay
 advances the device count without the host's mirror.
@@ -182,9 +182,7 @@ class BoundaryClock:
         if not self._cuda:
             self._stamps[slot] = self._clock()
             self._publish_word(increment=True)
-        elif self._eager is not None and self._advance_eager(stream, slot, n + 1):
-            pass
-        else:
+        elif self._eager is None or not self._advance_eager(stream, slot, n + 1):
             # The kernels go to the counter's device's current stream by themselves; the
             # event is told that stream, whatever the current device is.
             target = torch.cuda.current_stream(self._device) if stream is None else stream

@@ -334,18 +334,7 @@ class GrantController:
         if first > budget:
             if occurrence < w.probe_allowed_from:
                 return self._make(position, occurrence, budget, (), GrantReason.COOLDOWN)
-            self._counts[f"grant/{GrantReason.PROBE.value}"] += 1
-            return Grant(
-                version=self.version,
-                occurrence=occurrence,
-                position=position,
-                budget=budget,
-                records=1,
-                nbytes=first,
-                probe=True,
-                reason=GrantReason.PROBE,
-                epoch=self._epoch,
-            )
+            return self._grant(position, occurrence, budget, 1, first, GrantReason.PROBE)
         return self._make(position, occurrence, budget, _chain(first, sizes), reason)
 
     def complete(
@@ -486,6 +475,18 @@ class GrantController:
                 break
             records += 1
             nbytes += size
+        return self._grant(position, occurrence, budget, records, nbytes, reason)
+
+    def _grant(
+        self,
+        position: int,
+        occurrence: int,
+        budget: int,
+        records: int,
+        nbytes: int,
+        reason: GrantReason,
+    ) -> Grant:
+        """The grant, counted by reason (a probe sends its first record past the budget)."""
         self._counts[f"grant/{reason.value}"] += 1
         return Grant(
             version=self.version,
@@ -494,7 +495,7 @@ class GrantController:
             budget=budget,
             records=records,
             nbytes=nbytes,
-            probe=False,
+            probe=reason is GrantReason.PROBE,
             reason=reason,
             epoch=self._epoch,
         )

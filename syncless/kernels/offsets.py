@@ -26,8 +26,8 @@ class OffsetRing:
         ]
         self._host_np = [h.numpy() for h in self._host]
         self._device = [torch.empty(size, dtype=torch.int64, device=device) for _ in range(slots)]
+        # An event never recorded queries as complete: a fresh slot is free.
         self._copied = [torch.cuda.Event() if self._cuda else None for _ in range(slots)]
-        self._used = [False] * slots
         self._next = 0
         self.size = size
 
@@ -37,7 +37,7 @@ class OffsetRing:
         buffer still has a copy in flight."""
         i = self._next
         event = self._copied[i]
-        if self._used[i] and event is not None and not event.query():
+        if event is not None and not event.query():
             return None
         self._next = (i + 1) % len(self._host)
         n = len(values)
@@ -46,5 +46,4 @@ class OffsetRing:
         device.copy_(self._host[i][:n], non_blocking=self._cuda)
         if event is not None:
             event.record()
-        self._used[i] = True
         return device

@@ -91,9 +91,7 @@ class ActivationsMonitor:
                 self._layers,
                 SlotGroup(ctx.metrics, [Column(self._slots[i]) for i in self._layers]),
                 view=lambda x: (kernels.rows_view(x),),
-                grouped=lambda first, offsets, n: kernels.channel_absmax_partials_grouped(
-                    first[0], offsets, n
-                ),
+                grouped=kernels.channel_absmax_partials_grouped,
                 single=lambda layer, x: groups[layer].fold(kernels.channel_absmax_partials(x), 1),
                 device=ctx.metrics.buffer.device,  # type: ignore[union-attr]
             )

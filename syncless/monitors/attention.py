@@ -111,11 +111,11 @@ class AttentionMonitor:
         assert frac is not None
         by_layer = {r.layer: r for r in recorders}
 
-        def grouped(views: tuple[torch.Tensor, ...], offsets: torch.Tensor, n: int):
-            q, k = views
+        def exact(q: torch.Tensor, k: torch.Tensor) -> bool:
             batch, _, q_len, _ = q.shape
-            if row_stride(batch, n_heads, q_len, k.shape[2], self.max_elements) != 1:
-                return None
+            return row_stride(batch, n_heads, q_len, k.shape[2], self.max_elements) == 1
+
+        def grouped(q: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor, n: int):
             return kernels.qk_stats_partials_grouped(q, k, offsets, n, scale, causal, window)
 
         def rows_used(partials: torch.Tensor) -> None:
@@ -138,8 +138,9 @@ class AttentionMonitor:
             grouped=grouped,
             single=lambda layer, q, k: by_layer[layer].record_fused(q, k),
             device=ctx.metrics.buffer.device,  # type: ignore[union-attr]
+            accepts=exact,
             after=rows_used,
-            samples=lambda views: views[0].shape[0] * views[0].shape[2],
+            samples=lambda q, k: q.shape[0] * q.shape[2],
             tensors=2,
         )
 

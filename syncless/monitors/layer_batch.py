@@ -56,10 +56,12 @@ class LayerBatch:
         group: a ``SlotGroup`` whose columns are every layer's columns, layer after
             layer, in the order of ``layers`` (what ``grouped`` writes).
         view: the tensors a kernel reads, from what the hook got (e.g. ``[rows, C]``).
-        grouped: ``(first layer's views, device offsets, n_layers) -> partials
-            [P, L * width]``, or ``None`` when the views rule the grouped kernel out
-            (e.g. a sampled attention shape): then every layer takes ``single``.
+        grouped: ``(*first layer's views, device offsets, n_layers) -> partials
+            [P, L * width]``.
         single: ``(layer, *views)``: the per-layer path (partials and that layer's fold).
+        accepts: ``(*first layer's views) -> bool``: False rules the grouped kernel out
+            for these shapes (e.g. a sampled attention shape): every layer takes
+            ``single``.
         after: called with the grouped partials after their fold (e.g. a value over
             layers that the fold cannot form, such as a max of per-layer sums).
         samples: the samples one layer's read counts for (the fold's ``n_samples``), from
@@ -71,17 +73,18 @@ class LayerBatch:
         layers: list[int],
         group: SlotGroup,
         view: Callable[..., tuple[torch.Tensor, ...]],
-        grouped: Callable[[tuple[torch.Tensor, ...], torch.Tensor, int], torch.Tensor | None],
+        grouped: Callable[..., torch.Tensor],
         single: Callable[..., None],
         device: torch.device,
+        accepts: Callable[..., bool] = lambda *views: True,
         after: Callable[[torch.Tensor], None] | None = None,
-        samples: Callable[[tuple[torch.Tensor, ...]], float] = lambda views: 1.0,
+        samples: Callable[..., float] = lambda *views: 1.0,
         tensors: int = 1,
     ) -> None:
         self.layers = layers
         self.group = group
-        self._view, self._grouped, self._single, self._after = view, grouped, single, after
-        self._samples = samples
+        self._view, self._grouped, self._single = view, grouped, single
+        self._accepts, self._after, self._samples = accepts, after, samples
         self._offsets = OffsetRing(device, tensors * len(layers))
         self._pending: dict[int, tuple[torch.Tensor, ...]] = {}
         self.grouped_launches = 0
@@ -112,16 +115,18 @@ class LayerBatch:
         pending, self._pending = self._pending, {}
         if not pending:
             return
-        offsets = self._offsets_of(pending) if len(pending) == len(self.layers) else None
-        table = None if offsets is None else self._offsets.upload(offsets)
-        first = pending[self.layers[0]] if table is not None else ()
-        partials = None if table is None else self._grouped(first, table, len(self.layers))
-        if partials is None:
+        table = None
+        if len(pending) == len(self.layers):
+            first = pending[self.layers[0]]
+            offsets = self._offsets_of(pending) if self._accepts(*first) else None
+            table = None if offsets is None else self._offsets.upload(offsets)
+        if table is None:
             for layer, views in pending.items():
                 self._single(layer, *views)
                 self.single_launches += 1
             return
-        self.group.fold(partials, self._samples(first))
+        partials = self._grouped(*first, table, len(self.layers))
+        self.group.fold(partials, self._samples(*first))
         if self._after is not None:
             self._after(partials)
         self.grouped_launches += 1

@@ -240,12 +240,12 @@ class MoEMonitor:
                     [Column(slot) for r in self._layers for slot in (r.tokens, r.zloss, r.mass)],
                 ),
                 view=lambda logits: (logits,),
-                grouped=lambda first, offsets, n: kernels.router_partials_grouped(
-                    first[0], offsets, n, top_k, softmax
+                grouped=lambda logits, offsets, n: kernels.router_partials_grouped(
+                    logits, offsets, n, top_k, softmax
                 ),
                 single=single,
                 device=buffer.device,
-                samples=lambda views: views[0].shape[0],
+                samples=lambda logits: logits.shape[0],
             )
             ctx.batches.append(self._batch)
 

@@ -66,9 +66,7 @@ class NonFiniteMonitor:
                 self._layers,
                 SlotGroup(ctx.metrics, [Column(self._slots[i]) for i in self._layers]),
                 view=lambda x: (kernels.flat_view(x),),
-                grouped=lambda first, offsets, n: kernels.nonfinite_partials_grouped(
-                    first[0], offsets, n
-                ),
+                grouped=kernels.nonfinite_partials_grouped,
                 single=lambda layer, x: groups[layer].fold(kernels.nonfinite_partials(x), 1),
                 device=ctx.metrics.buffer.device,  # type: ignore[union-attr]
                 after=lambda partials: alert.update(partials.sum(0).max()),
