@@ -51,6 +51,7 @@ from syncless.demo.config import preset
 from syncless.guard import census
 from syncless.monitors import MONITORS, attach, build
 from syncless.monitors.adapters import find_layers
+from syncless.monitors.layer_batch import launch_mode
 from syncless.run import Run
 
 
@@ -139,6 +140,7 @@ def main() -> None:
     backend = args.kernels
     if backend == "auto":
         backend = "triton" if device.type == "cuda" and kernels.triton_importable() else "torch"
+    backend += f" kernels, {launch_mode(None)} launches"
 
     cfg = preset(args.preset)
     train = TrainStep(cfg, device)
@@ -168,7 +170,7 @@ def main() -> None:
     every = {m.name: m.every for m in build(list(MONITORS), optimizer=_DummyOpt())}
     stack = sum(pct / every[p] for p, pct, _, _, _ in rows if p in every)
     stack_p10 = sum(p10 / every[p] for p, _, _, _, p10 in rows if p in every)
-    print(f"\ndemo {args.preset} train step on {device.type}, {backend} kernels: off "
+    print(f"\ndemo {args.preset} train step on {device.type}, {backend}: off "
           f"{off_ms:.1f} ms/step, {args.periods} monitored steps per phase")  # fmt: skip
 
     def floor_pct(phase: str) -> float:
@@ -203,7 +205,7 @@ def main() -> None:
         )
         append_result(
             "monitors_overhead",
-            f"demo {args.preset} train step (tight loop), {backend} kernels, off {off_ms:.1f} "
+            f"demo {args.preset} train step (tight loop), {backend}, off {off_ms:.1f} "
             f"ms/step; per monitored step vs the 2 off steps before it ({args.periods} "
             f"periods/phase): {table}; stack at default cadences {stack:+.2f}% (p10 ratios "
             f"{stack_p10:+.2f}%); monitor "
