@@ -38,7 +38,7 @@ class MetricSet:
     agrees on it across ranks, materialises the buffer) -> hooks record through the
     returned ``Slot`` objects -> ``flush(step)`` once per step on the cold path.
 
-    The buffer is float64: ``[sums and counts | maxima (minima negated)]``. A flush is
+    The buffer is float64: ``[sums | counts | maxima (minima negated)]``. A flush is
     exactly one SUM and one MAX all_reduce over the two regions (when
     torch.distributed is initialised and the group has more than one rank), one
     non-blocking D2H copy into pinned memory and one event. By default the values are
@@ -118,17 +118,22 @@ class MetricSet:
         self._specs = agree(self.specs, self.group)
         for spec in self._specs:  # keys other ranks own: slots nobody here records into
             self._slots.setdefault(spec.key, Slot(spec))
-        sum_len, max_len, layout = 0, 0, []
+        # [sums | counts | maxima]: each region contiguous, so a flush decodes it with a
+        # few whole-array passes (syncless.metrics.readout) and reduces it with two
+        # collectives over two contiguous views.
+        n_sum = sum(s.size for s in self._specs if s.agg in ("mean", "sum"))
+        sum_at = max_at = 0
+        self._offsets = []
         for spec in self._specs:
             if spec.agg in ("mean", "sum"):
-                layout.append((sum_len, sum_len + spec.size, None))
-                sum_len += 2 * spec.size
+                self._offsets.append((sum_at, n_sum + sum_at, None))
+                sum_at += spec.size
             else:
-                layout.append((None, None, max_len))
-                max_len += spec.size
-        self._sum_len = sum_len
-        self._offsets = [(s, c, None if m is None else sum_len + m) for s, c, m in layout]
-        self._layout = Layout(self._specs, self._offsets)
+                self._offsets.append((None, None, 2 * n_sum + max_at))
+                max_at += spec.size
+        self._sum_len = sum_len = 2 * n_sum
+        max_len = max_at
+        self._layout = Layout(self._specs, self._offsets, n_sum, max_len)
         self.buffer = torch.zeros(sum_len + max_len, dtype=torch.float64, device=device)
         self._reset()
         self.gate = torch.ones((), dtype=torch.float64, device=device)

@@ -203,3 +203,72 @@ def test_recording_under_torch_compile():
     allx = torch.cat(xs).numpy()
     np.testing.assert_allclose(r.get("t/step/x_mean"), [allx.mean()], rtol=1e-6)
     np.testing.assert_allclose(r.get("t/step/x_absmax"), [np.abs(allx).max()], rtol=1e-6)
+
+
+def test_records_match_a_naive_per_key_summary():
+    """Every record (key summaries, element records, globals) against numpy over the
+    recorded truth: absent keys and elements stay out, a recorded NaN stays in."""
+    rng = np.random.default_rng(3)
+    ms = MetricSet()
+    specs = {
+        "t/layer_00/m": ("mean", 1), "t/layer_01/m": ("mean", 1),
+        "t/layer_00/v": ("mean", 4), "t/layer_01/v": ("mean", 4),
+        "t/layer_00/c": ("sum", 3), "t/layer_01/c": ("sum", 3),
+        "t/layer_00/x": ("max", 5), "t/layer_01/x": ("max", 5),
+        "t/layer_00/lo": ("min", 2), "t/layer_01/lo": ("min", 2),
+        "t/step/never": ("max", 1), "t/step/nan": ("max", 1),
+    }  # fmt: skip
+    for key, (agg, size) in specs.items():
+        area, scope, name = key.split("/")
+        layer = int(scope[-2:]) if scope.startswith("layer") else None
+        ms.declare(area, name, agg, size=size, layer=layer)
+    ms.allocate("cpu")
+    truth: dict[str, np.ndarray] = {}
+    with no_sync(cpu_as_device=True):
+        for key, (agg, size) in specs.items():
+            if key == "t/step/never":
+                continue
+            slot = ms.slot(key)
+            if agg in ("mean", "sum"):
+                totals, counts = rng.normal(size=size), rng.integers(1, 9, size=size)
+                slot.add(torch.from_numpy(totals), count=torch.from_numpy(counts * 1.0))
+                truth[key] = totals / counts if agg == "mean" else totals
+                truth[key + "#count"] = counts * 1.0
+            else:
+                v = rng.normal(size=size)
+                if key == "t/layer_01/x":
+                    v[2] = -np.inf  # this element is never recorded: absent
+                if key == "t/step/nan":
+                    v[0] = np.nan
+                slot.update(torch.from_numpy(v))
+                truth[key] = v
+    (r,) = ms.flush(step=3, wait=True)
+    got = {rec.name: rec.value for rec in r.records("run", 0, 0.0)}
+    expected: dict[str, float] = {}
+    reduce = {"mean": np.mean, "sum": np.sum, "max": np.max, "min": np.min}
+    for key, (agg, size) in specs.items():
+        if key not in truth:
+            continue
+        v = truth[key]
+        present = v != -np.inf if agg == "max" else np.ones(size, dtype=bool)
+        expected[key] = float(reduce[agg](v[present]))
+        if size > 1:
+            for i in np.flatnonzero(present):
+                expected[f"{key}/i_{i}"] = float(v[i])
+    for name, agg in (("m", "mean"), ("v", "mean"), ("c", "sum"), ("x", "max"), ("lo", "min")):
+        a, b = truth[f"t/layer_00/{name}"], truth[f"t/layer_01/{name}"]
+        if agg == "mean":  # count-weighted over layers
+            ca, cb = truth[f"t/layer_00/{name}#count"], truth[f"t/layer_01/{name}#count"]
+            g = (a * ca + b * cb) / (ca + cb)
+        elif agg == "sum":
+            g = a + b
+        else:
+            g = np.maximum(a, b) if agg == "max" else np.minimum(a, b)
+        key = f"t/global/{name}"
+        expected[key] = float(reduce[agg](g))
+        if g.size > 1:
+            for i in range(g.size):
+                expected[f"{key}/i_{i}"] = float(g[i])
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-12, err_msg=name)
