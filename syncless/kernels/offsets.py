@@ -29,12 +29,25 @@ class OffsetRing:
         # An event never recorded queries as complete: a fresh slot is free.
         self._copied = [torch.cuda.Event() if self._cuda else None for _ in range(slots)]
         self._next = 0
+        self._last: tuple[list[int], torch.Tensor] | None = None
         self.size = size
+        self.uploads = 0
 
     @hot_path
     def upload(self, values: list[int]) -> torch.Tensor | None:
         """``values`` as a device tensor (stream-ordered), or ``None`` if every pinned
-        buffer still has a copy in flight."""
+        buffer still has a copy in flight.
+
+        The same values as last time return the same device tensor without a copy: a
+        training loop in steady state gets its activations at the same addresses every
+        step (the caching allocator replays its pattern), and the copy with its event
+        costs ~115 us of the H200's host (bench/RESULTS.md). That tensor is never
+        rewritten while it is the last one: the next different table goes to the next
+        slot, stream-ordered after every kernel that read this one.
+        """
+        last = self._last
+        if last is not None and last[0] == values:
+            return last[1]
         i = self._next
         event = self._copied[i]
         if event is not None and not event.query():
@@ -42,8 +55,12 @@ class OffsetRing:
         self._next = (i + 1) % len(self._host)
         n = len(values)
         self._host_np[i][:n] = values
-        device = self._device[i][:n]
-        device.copy_(self._host[i][:n], non_blocking=self._cuda)
+        device = self._device[i] if n == self.size else self._device[i][:n]
+        device.copy_(
+            self._host[i] if n == self.size else self._host[i][:n], non_blocking=self._cuda
+        )
         if event is not None:
             event.record()
+        self._last = (list(values), device)
+        self.uploads += 1
         return device

@@ -104,7 +104,7 @@ class ActivationsMonitor:
                 return
             if kernels.use_triton(hidden):
                 if self._batch is not None:
-                    self._batch.add(layer, hidden.detach())
+                    self._batch.add(layer, hidden)  # the site's hook detached it
                     return
                 groups[layer].fold(kernels.channel_absmax_partials(hidden.detach()), 1)
                 return

@@ -86,13 +86,19 @@ class LayerBatch:
         self._view, self._grouped, self._single = view, grouped, single
         self._accepts, self._after, self._samples = accepts, after, samples
         self._offsets = OffsetRing(device, tensors * len(layers))
-        self._pending: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._pending: dict[int, tuple[torch.Tensor, ...]] = {}  # raw, as hooks gave them
+        self._n_layers = len(layers)
         self.grouped_launches = 0
         self.single_launches = 0
 
     @hot_path
     def add(self, layer: int, *xs: torch.Tensor) -> None:
-        """Keep ``layer``'s tensors; launch when every layer has them."""
+        """Keep ``layer``'s tensors; launch when every layer has them.
+
+        Only a reference is kept here (the view and the checks run once per forward, at
+        launch): a hook costs ~1 us of host work, where each torch call on the H200's
+        host costs 1-7 us (``reshape`` 7.4, ``detach`` 0.9; bench/RESULTS.md).
+        """
         if not torch.is_grad_enabled() or (
             xs[0].is_cuda and torch.cuda.is_current_stream_capturing()
         ):
@@ -103,10 +109,11 @@ class LayerBatch:
             self._single(layer, *self._view(*xs))
             self.single_launches += 1
             return
-        if layer in self._pending:
+        pending = self._pending
+        if layer in pending:
             self.launch()
-        self._pending[layer] = self._view(*xs)
-        if len(self._pending) == len(self.layers):
+        pending[layer] = xs
+        if len(pending) == self._n_layers:
             self.launch()
 
     @hot_path
@@ -115,36 +122,50 @@ class LayerBatch:
         pending, self._pending = self._pending, {}
         if not pending:
             return
-        table = None
-        if len(pending) == len(self.layers):
-            first = pending[self.layers[0]]
-            offsets = self._offsets_of(pending) if self._accepts(*first) else None
+        table = first = None
+        if len(pending) == self._n_layers:
+            raw = pending[self.layers[0]]
+            first = self._view(*raw)
+            offsets = self._offsets_of(pending, raw, first) if self._accepts(*first) else None
             table = None if offsets is None else self._offsets.upload(offsets)
-        if table is None:
-            for layer, views in pending.items():
-                self._single(layer, *views)
+        if table is None or first is None:
+            for layer, xs in pending.items():
+                self._single(layer, *self._view(*xs))
                 self.single_launches += 1
             return
-        partials = self._grouped(*first, table, len(self.layers))
+        partials = self._grouped(*first, table, self._n_layers)
         self.group.fold(partials, self._samples(*first))
         if self._after is not None:
             self._after(partials)
         self.grouped_launches += 1
 
-    def _offsets_of(self, pending: dict[int, tuple[torch.Tensor, ...]]) -> list[int] | None:
-        """Element offsets of every layer's views from the first layer's (all of the first
-        tensor's, then the second's, ...), or ``None`` if the views differ in shape,
-        dtype or strides, or sit at a fraction of an element."""
-        per_layer = [pending[layer] for layer in self.layers]
+    def _offsets_of(
+        self,
+        pending: dict[int, tuple[torch.Tensor, ...]],
+        raw: tuple[torch.Tensor, ...],
+        first: tuple[torch.Tensor, ...],
+    ) -> list[int] | None:
+        """Element offsets of every layer's tensors from the first layer's (all of the
+        first tensor's, then the second's, ...), or ``None`` if they differ in shape,
+        dtype or strides, sit at a fraction of an element, or the first layer's view is
+        a copy (then the other layers' views would be copies too, at other addresses).
+
+        Tensors with equal shape, strides and dtype get views at the same offset from
+        their own storage, so the offsets between the raw tensors are the offsets
+        between the views.
+        """
         out = []
-        for i, first in enumerate(per_layer[0]):
-            size, base = first.element_size(), first.data_ptr()
-            for views in per_layer:
-                v = views[i]
-                same = v.shape == first.shape and v.dtype == first.dtype
-                if not same or v.stride() != first.stride():
+        layers = self.layers
+        for i, x0 in enumerate(raw):
+            base = x0.data_ptr()
+            if first[i].data_ptr() != base:
+                return None
+            shape, stride, dtype, size = x0.shape, x0.stride(), x0.dtype, x0.element_size()
+            for layer in layers:
+                x = pending[layer][i]
+                if x.shape != shape or x.dtype != dtype or x.stride() != stride:
                     return None
-                delta = v.data_ptr() - base
+                delta = x.data_ptr() - base
                 if delta % size:
                     return None
                 out.append(delta // size)

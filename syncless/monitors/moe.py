@@ -262,7 +262,7 @@ class MoEMonitor:
             n_tokens = logits.shape[0]  # a shape, fixed by the batch: not a tensor value
             if kernels.use_triton(logits) and kernels.router_supported(logits.shape[-1]):
                 if self._batch is not None:
-                    self._batch.add(index, logits.detach())
+                    self._batch.add(index, logits)  # the site's hook detached it
                     return
                 group.fold(kernels.router_partials(logits, top_k, softmax), n_tokens)
                 return

@@ -83,13 +83,13 @@ class NonFiniteMonitor:
                 return
             # x - x is 0 for every finite x and NaN for NaN and +-inf: 2 kernels, where
             # isfinite().logical_not().sum() decomposes into 6 (abs, ne, eq, mul, ...).
-            h = hidden.detach()
-            if kernels.use_triton(h):
+            if kernels.use_triton(hidden):
                 if self._batch is not None:
-                    self._batch.add(layer, h)
+                    self._batch.add(layer, hidden)  # the site's hook detached it
                     return
-                groups[layer].fold(kernels.nonfinite_partials(h), 1)
+                groups[layer].fold(kernels.nonfinite_partials(hidden.detach()), 1)
                 return
+            h = hidden.detach()
             bad = torch.count_nonzero(h - h)
             slot.add(bad)
             alert.update(bad)

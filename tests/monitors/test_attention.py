@@ -115,6 +115,8 @@ def fake_site(layer=0, heads=4, kv_heads=4, head_dim=8, causal=True, window=None
 def monitored(sites, **kwargs) -> tuple[AttentionMonitor, MetricSet]:
     layers = [LayerSite(s.layer, nn.Identity(), s, None, None) for s in sites]
     ctx = MonitorContext(ModelMap("fake", layers, d_model=32), MetricSet())
+    if "max_elements" in kwargs:  # one budget for both paths, so both sample alike
+        kwargs.setdefault("fused_max_elements", kwargs["max_elements"])
     mon = AttentionMonitor(**kwargs)
     mon.prepare(ctx)
     ctx.metrics.allocate("cpu")
@@ -494,7 +496,7 @@ def test_grouped_launch_takes_the_per_layer_path_in_sampled_mode(kernel_backend)
         model = MoETransformer(preset("tiny"))
         init_weights(model, seed=0)
         ctx = MonitorContext(find_layers(model), MetricSet())
-        mon = AttentionMonitor(max_elements=64, launch=launch)
+        mon = AttentionMonitor(max_elements=64, fused_max_elements=64, launch=launch)
         mon.prepare(ctx)
         ctx.metrics.allocate("cpu")
         mon.attach(ctx)
@@ -509,3 +511,16 @@ def test_grouped_launch_takes_the_per_layer_path_in_sampled_mode(kernel_backend)
         np.testing.assert_array_equal(
             readouts["layer"].values[key], readouts["grouped"].values[key]
         )
+
+
+def test_the_fused_path_has_its_own_budget(kernel_backend):
+    """The fused kernel keeps no logits: above the torch path's memory budget it is still
+    exact while its own budget holds; the torch path samples."""
+    q, k = qk(2, 2, 2, 8)
+    elements = 2 * 2 * 8 * 8
+    site = fake_site(heads=2, kv_heads=2)
+    _, ms = monitored([site], max_elements=elements - 1, fused_max_elements=elements)
+    site.fire(q, k)
+    stride = 1 if kernel_backend == "triton" else 2
+    ref = naive(q, k, site.scale, True, rows=range(0, 8, stride))
+    check(flush(ms), ref, scaled_by=stride, frac=1 / stride)
