@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import numpy as np
 
@@ -31,6 +32,16 @@ class _Global:
     key: str
     spec: MetricSpec
     index: np.ndarray  # [layers, size] indices into the flat decoded arrays
+    span: slice | None = None  # the same elements when the layers sit back to back
+
+    def take(self, flat: np.ndarray, offset: int = 0) -> np.ndarray:
+        """``flat``'s ``[layers, size]`` elements (flat starting at ``offset``): a view
+        when the layers are contiguous (the per-channel global: 82 -> ~20 us)."""
+        if self.span is not None:
+            return flat[self.span.start - offset : self.span.stop - offset].reshape(
+                self.index.shape
+            )
+        return flat[self.index - offset]
 
 
 class Layout:
@@ -79,7 +90,9 @@ class Layout:
             if len({spec.size for spec in parts}) > 1:
                 continue  # e.g. MoE layers with different expert counts: no elementwise global
             index = np.stack([np.arange(starts[p.key], starts[p.key] + p.size) for p in parts])
-            out.append(_Global(gkey, parts[0], index))
+            contiguous = bool((np.diff(index[:, 0]) == parts[0].size).all())
+            span = slice(int(index[0, 0]), int(index[-1, -1]) + 1) if contiguous else None
+            out.append(_Global(gkey, parts[0], index, span))
         return out
 
     def _emission(self, entries: list[tuple[str, MetricSpec, int]]) -> None:
@@ -107,6 +120,25 @@ class Layout:
         self.key_is_mean = np.array([k == "mean" for k in kinds[self.sum_keys]], dtype=bool)
         self.key_sign = np.array([-1.0 if k == "min" else 1.0 for k in kinds[self.max_keys]])
         self.global_kind = [k for k in kinds[self.global_keys]]
+        self._stacks: dict[tuple[str, ...], slice | np.ndarray] = {}
+
+    def stack_index(self, keys: tuple[str, ...]) -> slice | np.ndarray:
+        """Flat positions of ``keys`` (all of one length) as ``[len(keys), size]``: a
+        slice when they sit back to back (a monitor declares its layers in a row, so
+        usually a view), else an index array. Built once per tuple of keys."""
+        index = self._stacks.get(keys)
+        if index is None:
+            bounds = [self.slices[k] for k in keys]
+            sizes = {end - start for start, end in bounds}
+            if len(sizes) != 1:
+                raise ValueError(f"stack() needs keys of one length, got sizes {sorted(sizes)}")
+            contiguous = all(a[1] == b[0] for a, b in pairwise(bounds))
+            if contiguous:
+                index = slice(bounds[0][0], bounds[-1][1])
+            else:
+                index = np.stack([np.arange(start, end) for start, end in bounds])
+            self._stacks[keys] = index
+        return index
 
 
 class _FlatView(Mapping[str, np.ndarray]):
@@ -156,6 +188,17 @@ class Readout:
         if key not in self.values:
             return None
         return np.where(self.present[key], self.values[key], np.nan)
+
+    def stack(self, keys: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Values and presence of ``keys`` (declared keys of one length) as
+        ``[len(keys), size]`` arrays, e.g. one metric over every layer."""
+        assert self.layout is not None and self.flat_values is not None
+        assert self.flat_present is not None
+        index = self.layout.stack_index(keys)
+        shape = (len(keys), -1)
+        if isinstance(index, slice):
+            return self.flat_values[index].reshape(shape), self.flat_present[index].reshape(shape)
+        return self.flat_values[index], self.flat_present[index]
 
     def records(self, run: str, rank: int, time: float) -> list[StepRecord]:
         """One summary record per key with data, plus one per element where emitted."""
@@ -262,13 +305,12 @@ def _global(
     the present layers for max/min (a NaN in a present layer propagates)."""
     agg = g.spec.agg
     if agg in ("mean", "sum"):
-        idx = g.index  # in the sum region: flat index == buffer index
-        count = counts[idx].sum(axis=0)
+        count = g.take(counts).sum(axis=0)  # in the sum region: flat index == buffer index
         with np.errstate(invalid="ignore", divide="ignore"):
-            total = sums[idx].sum(axis=0)
+            total = g.take(sums).sum(axis=0)
             return (total / count if agg == "mean" else total), count > 0
-    idx = g.index - n_sum
-    fill = -np.inf if agg == "max" else np.inf
-    masked = np.where(max_present[idx], max_values[idx], fill)
-    value = masked.max(axis=0) if agg == "max" else masked.min(axis=0)
-    return value, max_present[idx].any(axis=0)
+    # Absent elements hold the identity (-inf for max, +inf for min once un-negated), so
+    # a plain reduce is the extreme of the present layers; a recorded NaN propagates.
+    values = g.take(max_values, n_sum)
+    value = values.max(axis=0) if agg == "max" else values.min(axis=0)
+    return value, g.take(max_present, n_sum).any(axis=0)

@@ -155,22 +155,25 @@ class AttentionMonitor:
         )
 
     def derive(self, readout: Readout) -> dict[str, float]:
-        """The layer with the largest logit, and the lowest head entropy of any layer."""
-        maxima, entropies = [], []
-        for layer, (max_key, entropy_key) in self._keys.items():
-            if max_key in readout.present and readout.present[max_key].any():
-                maxima.append((layer, readout.values[max_key][readout.present[max_key]]))
-            if entropy_key in readout.present and readout.present[entropy_key].any():
-                entropies.append(readout.values[entropy_key][readout.present[entropy_key]])
+        """The layer with the largest logit, and the lowest head entropy of any layer.
+
+        Recorded NaNs are skipped here (the per-layer records keep them); a layer with
+        nothing else is not a candidate.
+        """
         out: dict[str, float] = {}
-        with np.errstate(invalid="ignore"):
-            tops = [(float(np.nanmax(v)), layer) for layer, v in maxima if not np.isnan(v).all()]
-        if tops:
-            out[f"{AREA}/global/{LOGIT_MAX}_layer"] = float(max(tops, key=lambda t: t[0])[1])
-        finite = [v[~np.isnan(v)] for v in entropies]
-        finite = [v for v in finite if v.size]
-        if finite:
-            out[f"{AREA}/global/{ENTROPY}_head_min"] = float(min(v.min() for v in finite))
+        if not self._keys:
+            return out
+        layers = list(self._keys)
+        maxima, present = readout.stack(tuple(k[0] for k in self._keys.values()))
+        usable = present & ~np.isnan(maxima)
+        if usable.any():
+            per_layer = np.where(usable, maxima, -np.inf).max(axis=1)
+            per_layer[~usable.any(axis=1)] = np.nan  # nanargmax skips these layers
+            out[f"{AREA}/global/{LOGIT_MAX}_layer"] = float(layers[int(np.nanargmax(per_layer))])
+        entropy, present = readout.stack(tuple(k[1] for k in self._keys.values()))
+        usable = present & ~np.isnan(entropy)
+        if usable.any():
+            out[f"{AREA}/global/{ENTROPY}_head_min"] = float(entropy[usable].min())
         return out
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from syncless.metrics import MetricSet, Readout
 from syncless.monitors.adapters import find_layers
 from syncless.monitors.base import AREA, Monitor, MonitorContext
 from syncless.run import Run, StepRecord, check_metric_name
-from syncless.run.records import step_records
+from syncless.run.records import StepRecords
 
 
 class MonitorHandle:
@@ -43,7 +43,7 @@ class MonitorHandle:
         self.run = run
         self.lagged = lagged
         self.emit = emit
-        self.last_records: list[StepRecord] = []
+        self.last_records: Sequence[StepRecord] = []
         self.readouts: list[Readout] = []  # the most recent flush's readouts
         self.strict = strict
         self.derive_errors: dict[str, int] = {}
@@ -60,7 +60,7 @@ class MonitorHandle:
         for m in self.monitors:
             m.active = step % m.every == 0
 
-    def step(self, step: int, wait: bool | None = None) -> list[StepRecord]:
+    def step(self, step: int, wait: bool | None = None) -> StepRecords:
         """End of training step ``step``: flush, emit, and arm the next step."""
         start = time.perf_counter()
         any_active = any(m.active for m in self.monitors)
@@ -88,35 +88,30 @@ class MonitorHandle:
             self.hook_host_ns_total[name] = self.hook_host_ns_total.get(name, 0) + ns
             ledger[name] = 0
 
-    def _records(self, readouts: list[Readout]) -> list[StepRecord]:
-        records: list[StepRecord] = []
+    def _records(self, readouts: list[Readout]) -> StepRecords:
+        records = StepRecords()
         rank = self.run.ranks.rank if self.run else 0
         name = self.run.name if self.run else ""
         now = time.time()
         for r in readouts:
-            records += r.records(name, rank, now)
+            records.extend(r.records(name, rank, now))
             for m in self.monitors:
                 derived = self._derive(m, r)
                 unchecked = derived.keys() - self._checked_names
                 if unchecked:  # a regex per name once, not per name per flush
                     self._checked_names.update(check_metric_name(k) for k in unchecked)
-                records += step_records(name, r.step, rank, derived.keys(), derived.values(), now)
-            for monitor, count in self.derive_errors.items():
-                key = f"{AREA}/self/{monitor}_derive_errors_count"
-                records.append(StepRecord(name, r.step, rank, key, float(count), now))
+                records.add(name, r.step, rank, derived.keys(), derived.values(), now)
             # The measurement bills itself: host time of the previous step() call, and
             # of every hook up to this readout's flush (this rank's; rank 0 emits).
-            records.append(
-                StepRecord(name, r.step, rank, f"{AREA}/self/flush_host_ms", self._host_ms, now)
-            )
+            own = {f"{AREA}/self/{m}_derive_errors_count": float(n)
+                   for m, n in self.derive_errors.items()}  # fmt: skip
+            own[f"{AREA}/self/flush_host_ms"] = self._host_ms
             hooks = self._hook_ns.pop(r.step, None)
             if hooks:
                 for monitor, ns in hooks.items():
-                    key = f"{AREA}/self/{monitor}_hook_host_ms"
-                    records.append(StepRecord(name, r.step, rank, key, ns / 1e6, now))
-                total = sum(hooks.values()) / 1e6
-                key = f"{AREA}/self/hook_host_ms"
-                records.append(StepRecord(name, r.step, rank, key, total, now))
+                    own[f"{AREA}/self/{monitor}_hook_host_ms"] = ns / 1e6
+                own[f"{AREA}/self/hook_host_ms"] = sum(hooks.values()) / 1e6
+            records.add(name, r.step, rank, own.keys(), own.values(), now)
         self.readouts = readouts
         return records
 
@@ -134,15 +129,15 @@ class MonitorHandle:
                       "further failures", file=sys.stderr)  # fmt: skip
             return {}
 
-    def _publish(self, records: list[StepRecord]) -> None:
+    def _publish(self, records: StepRecords) -> None:
         self.last_records = records
         if records and self.run is not None and self.emit:
             self.run.emit(records)
 
-    def close(self) -> list[StepRecord]:
+    def close(self) -> StepRecords:
         """Read the last pending flush, emit it, remove every hook."""
         if self._closed:
-            return []
+            return StepRecords()
         self._closed = True
         for batch in self.ctx.batches:  # reads of a step that was never flushed
             batch.launch()

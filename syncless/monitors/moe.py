@@ -113,28 +113,52 @@ def load_stats_rows(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 @dataclass
 class _DeadWindow:
-    """Per-expert token counts of the last ``size`` flushed steps that had data.
+    """Per-expert token counts ``[layers, experts]`` of the last ``size`` flushed steps
+    in which any of the layers had data.
 
-    Keeps a running sum (exact: counts are integers in float64), so each flush costs
-    O(n_experts), not O(window * n_experts).
+    Keeps running sums (exact: counts are integers in float64), so each flush costs
+    O(layers * experts), not O(window * layers * experts), for every layer at once.
     """
 
     size: int
-    steps: deque[np.ndarray] = field(default_factory=deque)
+    steps: deque[tuple[np.ndarray, np.ndarray]] = field(default_factory=deque)
     total: np.ndarray | None = None
+    seen: np.ndarray | None = None  # per layer: steps in the window it had data in
 
-    def push(self, counts: np.ndarray) -> None:
+    def push(self, counts: np.ndarray, had_data: np.ndarray) -> None:
+        counts = np.where(had_data[:, None], counts, 0.0)
+        had = had_data.astype(np.int64)
         if self.total is None or self.total.shape != counts.shape:
             self.steps.clear()
             self.total = np.zeros_like(counts)
+            self.seen = np.zeros(len(counts), dtype=np.int64)
+        assert self.seen is not None
         if len(self.steps) == self.size:
-            self.total -= self.steps.popleft()
-        self.steps.append(counts.copy())
+            old, old_had = self.steps.popleft()
+            self.total -= old
+            self.seen -= old_had
+        self.steps.append((counts, had))
         self.total += counts
+        self.seen += had
 
-    def dead(self) -> int:
-        """Experts that received no token in any step of the window."""
-        return 0 if self.total is None else int((self.total == 0).sum())
+    def dead(self) -> np.ndarray:
+        """Per layer: experts that received no token in any step of the window."""
+        assert self.total is not None
+        return (self.total == 0).sum(axis=1)
+
+
+@dataclass
+class _WidthGroup:
+    """The MoE layers with one expert count: derived together from one stacked array."""
+
+    layers: list[_RouterLayer]
+    window: _DeadWindow
+    keys: tuple[str, ...] = ()
+    names: list[tuple[str, ...]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.keys = tuple(layer.key for layer in self.layers)
+        self.names = [layer.derived for layer in self.layers]
 
 
 @dataclass
@@ -143,7 +167,6 @@ class _RouterLayer:
     tokens: Slot
     zloss: Slot
     mass: Slot
-    window: _DeadWindow
     key: str = ""  # the token-count metric's key
     derived: tuple[str, ...] = ()  # imbalance, cv, entropy fraction, dead experts
 
@@ -180,6 +203,7 @@ class MoEMonitor:
         self.dead_window = dead_window
         self.launch = launch_mode(launch)  # "grouped": syncless.monitors.layer_batch
         self._layers: list[_RouterLayer] = []
+        self._groups: list[_WidthGroup] = []
         self._batch: LayerBatch | None = None
 
     def prepare(self, ctx: MonitorContext) -> None:
@@ -208,11 +232,14 @@ class MoEMonitor:
                     ),
                     zloss=declare(AREA, "moe_router_zloss", "mean", layer=site.layer),
                     mass=declare(AREA, "moe_topk_prob_mass", "mean", layer=site.layer),
-                    window=_DeadWindow(self.dead_window),
                 )
             )
 
     def attach(self, ctx: MonitorContext) -> None:
+        by_width: dict[int, list[_RouterLayer]] = {}
+        for layer in self._layers:
+            by_width.setdefault(layer.site.n_experts, []).append(layer)
+        self._groups = [_WidthGroup(g, _DeadWindow(self.dead_window)) for g in by_width.values()]
         buffer = ctx.metrics.buffer
         if buffer is None:
             raise RuntimeError("MoE monitor: attach() before the metric set's allocate()")
@@ -274,34 +301,29 @@ class MoEMonitor:
         return record
 
     def derive(self, readout: Readout) -> dict[str, float]:
-        layers = [
-            layer
-            for layer in self._layers
-            if layer.key in readout.present and readout.present[layer.key].all()
-        ]  # a layer no forward recorded in the flushed step is skipped
         out: dict[str, float] = {}
-        by_width: dict[int, list[_RouterLayer]] = {}
-        for layer in layers:
-            by_width.setdefault(layer.site.n_experts, []).append(layer)
-        imbalances: list[float] = []
+        imbalances: list[np.ndarray] = []
         dead_total, window_steps = 0, []
-        for group in by_width.values():
-            counts = np.stack([readout.values[layer.key] for layer in group])  # cluster-wide
-            stats = load_stats_rows(counts)
-            for row, layer in enumerate(group):
-                layer.window.push(counts[row])
-                dead = layer.window.dead()
-                names = layer.derived
-                out[names[0]] = float(stats[0][row])
-                out[names[1]] = float(stats[1][row])
-                out[names[2]] = float(stats[2][row])
-                out[names[3]] = float(dead)
-                imbalances.append(float(stats[0][row]))
-                dead_total += dead
-                window_steps.append(len(layer.window.steps))
+        for group in self._groups:
+            counts, present = readout.stack(group.keys)  # cluster-wide
+            full = present.all(axis=1)  # a layer no forward recorded in this step is skipped
+            if not full.any():
+                continue
+            group.window.push(counts, full)
+            rows = np.flatnonzero(full)
+            stats = load_stats_rows(counts[rows])
+            dead = group.window.dead()[rows]
+            table = np.stack([*stats, dead], axis=1).astype(np.float64)
+            names = [name for r in rows.tolist() for name in group.names[r]]
+            out.update(zip(names, table.ravel().tolist(), strict=True))
+            imbalances.append(stats[0])
+            dead_total += int(dead.sum())
+            assert group.window.seen is not None
+            window_steps.append(int(group.window.seen[rows].min()))
         if imbalances:
-            out[f"{AREA}/global/moe_imbalance_mean"] = float(np.mean(imbalances))
-            out[f"{AREA}/global/moe_imbalance_max"] = float(np.max(imbalances))
+            every = np.concatenate(imbalances)
+            out[f"{AREA}/global/moe_imbalance_mean"] = float(np.mean(every))
+            out[f"{AREA}/global/moe_imbalance_max"] = float(np.max(every))
             out[f"{AREA}/global/moe_dead_experts_count"] = float(dead_total)
             # How much history the dead-expert counts rest on (< dead_window early on).
             out[f"{AREA}/global/moe_dead_window_steps_count"] = float(min(window_steps))

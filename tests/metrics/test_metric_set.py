@@ -193,7 +193,8 @@ def test_recording_under_torch_compile():
         mx.update(x.abs().max())
         return x * 2
 
-    xs = [torch.randn(17) for _ in range(3)]
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(17, generator=g) for _ in range(3)]
     for x in xs:
         hook(x)
     ms.set_enabled(False)
@@ -201,7 +202,9 @@ def test_recording_under_torch_compile():
     ms.set_enabled(True)
     (r,) = ms.flush(0, wait=True)
     allx = torch.cat(xs).numpy()
-    np.testing.assert_allclose(r.get("t/step/x_mean"), [allx.mean()], rtol=1e-6)
+    # float32 sums of mixed signs: the tolerance scales with the magnitudes summed
+    scale = np.abs(allx).mean()
+    np.testing.assert_allclose(r.get("t/step/x_mean"), [allx.mean()], rtol=0, atol=1e-6 * scale)
     np.testing.assert_allclose(r.get("t/step/x_absmax"), [np.abs(allx).max()], rtol=1e-6)
 
 
