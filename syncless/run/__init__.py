@@ -2,7 +2,7 @@
 
 from syncless.run.dist import RankInfo, rank_info
 from syncless.run.parquet import ParquetSink
-from syncless.run.records import StepRecord, check_metric_name
+from syncless.run.records import StepRecord, StepRecords, check_metric_name
 from syncless.run.run import Run
 from syncless.run.sinks import ConsoleSink, Sink
 from syncless.run.store import RunStore, open
@@ -15,6 +15,7 @@ __all__ = [
     "RunStore",
     "Sink",
     "StepRecord",
+    "StepRecords",
     "check_metric_name",
     "open",
     "rank_info",

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from syncless.run.dist import RankInfo, rank_info
 from syncless.run.parquet import ParquetSink
-from syncless.run.records import StepRecord, check_metric_name
+from syncless.run.records import StepRecord, StepRecords, check_metric_name
 from syncless.run.rundir import METRICS_DIR, default_run_dir, environment, write_run_json
 from syncless.run.sinks import Sink
 
@@ -89,12 +89,16 @@ class Run:
         self.emit(self.records(step, values))
 
     def emit(self, records: Iterable[StepRecord]) -> None:
-        """Send a batch of records to every sink."""
-        batch = list(records)
+        """Send a batch of records to every sink (a :class:`StepRecords` as it is: its
+        columns go to Parquet without a tuple per record)."""
+        batch = StepRecords()
+        batch.extend(records)
         if self.sink_errors:
-            batch += self.records(
-                batch[0].step if batch else -1,
-                {f"run/self/{k}_errors_count": v for k, v in self.sink_errors.items()},
+            batch.extend(
+                self.records(
+                    batch[0].step if batch else -1,
+                    {f"run/self/{k}_errors_count": v for k, v in self.sink_errors.items()},
+                )
             )
         for sink in list(self.sinks):
             try:

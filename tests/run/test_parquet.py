@@ -3,7 +3,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from syncless.run import ParquetSink, StepRecord
+from syncless.run import ParquetSink, StepRecord, StepRecords
 
 
 def _records(n: int, rank: int = 0, step0: int = 0) -> list[StepRecord]:
@@ -29,6 +29,33 @@ def test_records_round_trip_exactly(tmp_path):
     expected = [(r.run, r.step, r.rank, r.name, r.value, r.time) for r in written]
     assert _read_all(tmp_path) == expected
     assert all(p.name.startswith("rank00003-") for p in tmp_path.glob("*.parquet"))
+
+
+def test_column_records_round_trip_exactly_and_read_like_tuples(tmp_path):
+    """StepRecords chunks (several steps, runs and ranks, single appends mixed in) land
+    in Parquet row for row as the tuples they stand for."""
+    expected = []
+    columns = StepRecords()
+    for step in range(4):
+        names = [f"test/layer_{i:02d}/m" for i in range(step + 1)]
+        values = [step + i / 8 for i in range(step + 1)]
+        columns.add(f"run{step % 2}", step, step % 3, names, values, 100.0 + step)
+        expected += [(f"run{step % 2}", step, step % 3, n, v, 100.0 + step)
+                     for n, v in zip(names, values, strict=True)]  # fmt: skip
+        one = StepRecord("solo", step, 7, "test/step/x", -1.5, 5.0)
+        columns.append(one)
+        expected.append(tuple(one))
+    assert len(columns) == len(expected)
+    assert [tuple(r) for r in columns] == expected
+    assert tuple(columns[5]) == expected[5] and tuple(columns[-1]) == expected[-1]
+    sink = ParquetSink(tmp_path, rank=0)
+    sink.write(columns)
+    sink.write(_records(3))  # plain tuples into the same shard
+    sink.close()
+    expected += [tuple(r) for r in _records(3)]
+    assert _read_all(tmp_path) == expected
+    with pytest.raises(ValueError, match="2 names for 1 values"):
+        StepRecords().add("r", 0, 0, ["a/b/c", "a/b/d"], [1.0], 0.0)
 
 
 def test_flush_writes_a_shard_now_and_interval_batches(tmp_path):
