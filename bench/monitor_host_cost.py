@@ -2,9 +2,10 @@
 
 On a host-bound step (the demo's: a drain per MoE layer) the host time the monitors
 add is step time, and on a noisy host it is far easier to resolve than a step-time
-difference. This prints, on the demo large dims (forward passes under no_grad, bf16
-autocast, fixed batch), for each monitor and kernel backend, and for Triton with one
-grouped launch per forward (``launch="grouped"``): host microseconds per hook call,
+difference. This prints, on the demo large dims (forward passes building the autograd
+graph, bf16 autocast, fixed batch), for each monitor and kernel backend, and for Triton
+with one launch per layer and with one grouped launch per forward: host microseconds
+per hook call,
 billed by the stack itself (``MonitorHandle.hook_host_ns_total``). Beside
 them, the cost of the primitives a hook is made of on this host: an empty Python hook,
 one aten op, one ``torch.empty``, one launch of a trivial Triton kernel. Then the
@@ -72,18 +73,20 @@ def primitives(device: torch.device) -> dict[str, float]:
 
 
 def hook_us(model, cfg, tokens, monitor: str, backend: str) -> float:
-    """Host us per hooked module call; ``triton-grouped``: Triton with one grouped
-    launch per forward (``launch="grouped"``, the monitors in GROUPED)."""
+    """Host us per hooked module call, its share of the forward's launches included;
+    ``triton``: one launch per layer (``launch="layer"``), ``triton-grouped``: one
+    grouped launch per forward (the default). Forwards build the autograd graph, as in
+    training (under ``no_grad`` the grouped path launches per layer: nothing would keep
+    the tensors it holds), and drop it without a backward."""
     grouped = backend == "triton-grouped"
     kernels.set_backend("triton" if grouped else backend)
-    if grouped:
-        os.environ["SYNCLESS_MONITOR_LAUNCH"] = "grouped"
+    os.environ["SYNCLESS_MONITOR_LAUNCH"] = "grouped" if grouped else "layer"
     try:
         handle = attach(model, build([monitor], every=1), lagged=True)
     finally:
         os.environ.pop("SYNCLESS_MONITOR_LAUNCH", None)
     autocast = torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=tokens.is_cuda)
-    with torch.no_grad(), autocast:
+    with autocast:
         for step in range(2):  # compile, warm
             model(tokens)
             handle.step(step)
@@ -95,6 +98,8 @@ def hook_us(model, cfg, tokens, monitor: str, backend: str) -> float:
             model(tokens)
             handle.step(step)
     ns = handle.hook_host_ns_total[monitor]
+    if grouped:  # the row measures what it says
+        assert all(b.grouped_launches and not b.single_launches for b in handle.ctx.batches)
     handle.close()
     return ns / 1e3 / (passes * cfg.n_layers)
 

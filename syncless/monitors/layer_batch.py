@@ -35,8 +35,8 @@ LAUNCHES = ("layer", "grouped")
 
 
 def launch_mode(launch: str | None) -> str:
-    """``launch``, or ``SYNCLESS_MONITOR_LAUNCH`` (default ``layer``), checked."""
-    mode = launch if launch is not None else os.environ.get("SYNCLESS_MONITOR_LAUNCH", "layer")
+    """``launch``, or ``SYNCLESS_MONITOR_LAUNCH`` (default ``grouped``), checked."""
+    mode = launch if launch is not None else os.environ.get("SYNCLESS_MONITOR_LAUNCH", "grouped")
     if mode not in LAUNCHES:
         raise ValueError(
             f"monitor launch mode {mode!r} (from launch= or SYNCLESS_MONITOR_LAUNCH): "
