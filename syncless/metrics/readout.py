@@ -110,6 +110,7 @@ class Layout:
                 emit_names += [f"{key}/{spec.element}_{i:0{width}d}" for i in range(spec.size)]
         self.emit_index = np.array(emit_index, dtype=np.int64)
         self.emit_names = emit_names
+        self.all_names = self.keys + emit_names
         # Key segments by region: summaries are one reduceat per region.
         n_sum_keys = int(np.searchsorted(self.key_starts, self.n_sum))
         n_spec_keys = int(np.searchsorted(self.key_starts, self.n_elements))
@@ -205,9 +206,16 @@ class Readout:
         layout, values, present = self.layout, self.flat_values, self.flat_present
         assert layout is not None and values is not None and present is not None
         summary, has_data = _summaries(values, present, layout)
+        emit_present = present[layout.emit_index]
+        if has_data.all() and emit_present.all():
+            # Every key and element has data (every step of a steady run): the names
+            # are the layout's, no per-name selection (0.15 of 0.3 ms on a 2-core CPU).
+            names = layout.all_names
+            chosen = np.concatenate([summary, values[layout.emit_index]])
+            return step_records(run, self.step, rank, names, chosen.tolist(), time)
         keys = layout.keys
         with_data = np.flatnonzero(has_data)
-        emitted = np.flatnonzero(present[layout.emit_index])  # positions in emit_names
+        emitted = np.flatnonzero(emit_present)  # positions in emit_names
         names = layout.emit_names
         return step_records(
             run,

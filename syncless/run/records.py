@@ -60,7 +60,9 @@ class StepRecords(Sequence[StepRecord]):
         time: float,
     ) -> None:
         """Append records of one step and rank (names and values of equal length)."""
-        names, values = list(names), list(values)
+        # The lists are kept, not copied: callers hand over lists they do not reuse.
+        names = names if isinstance(names, list) else list(names)
+        values = values if isinstance(values, list) else list(values)
         if len(names) != len(values):
             raise ValueError(f"{len(names)} names for {len(values)} values")
         if names:
