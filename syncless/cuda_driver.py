@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,6 +47,16 @@ class Driver:
         """Record ``event`` (a ``CUevent``) on ``stream`` (a ``CUstream``)."""
         return self._record(event, stream) == 0
 
+    def record_fn(self) -> Any:
+        """``cuEventRecord`` itself, ``(event, stream) -> CUresult`` (0 on success), for a
+        caller that records on every span and binds it once."""
+        return self._record
+
+    def elapsed_into(self, out_ref: Any, start: int, end: int) -> bool:
+        """``cuEventElapsedTime`` into a caller's ``ctypes.byref(c_float)``, no
+        allocation per call; whether the driver gave a time."""
+        return self._elapsed(out_ref, start, end) == 0
+
     def event_elapsed_ms(self, start: int, end: int) -> float | None:
         """Milliseconds from ``start`` to ``end`` (both complete), or ``None``."""
         out = ctypes.c_float()
@@ -72,6 +83,17 @@ def driver() -> Driver | None:
         return Driver(ctypes.PyDLL("libcuda.so.1"))
     except (OSError, AttributeError):
         return None
+
+
+def current_raw_stream_fn() -> Callable[[], int]:
+    """A no-argument function returning the current device's current ``CUstream``,
+    bound to torch's C getters (``current_raw_stream()`` goes through
+    ``torch.cuda.current_device()``'s Python)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    get_device = getattr(torch._C, "_cuda_getDevice", None)
+    if raw is None or get_device is None:
+        return current_raw_stream
+    return lambda: raw(get_device())
 
 
 def current_raw_stream(device: int | None = None) -> int:
