@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import torch
 from results import append_result  # bench/ is on sys.path as a script
 
@@ -29,6 +30,7 @@ from syncless.demo.model import MoETransformer, init_weights
 from syncless.metrics.readout import decode
 from syncless.monitors import MONITORS, attach, build
 from syncless.run import Run
+from syncless.run.parquet import SCHEMA, records_to_table
 from syncless.run.records import StepRecord
 
 
@@ -59,6 +61,21 @@ def per_key_records(host: np.ndarray, specs, offsets, step: int) -> list[StepRec
                 name = f"{spec.key}/{spec.element}_{i:0{width}d}"
                 out.append(StepRecord("r", step, 0, name, float(value[i]), 0.0))
     return out
+
+
+def records_to_table_from_tuples(records: list[StepRecord]) -> pa.Table:
+    """The writer's conversion before StepRecords: a list per column from the tuples."""
+    return pa.table(
+        {
+            "run": [r.run for r in records],
+            "step": [r.step for r in records],
+            "rank": [r.rank for r in records],
+            "name": [r.name for r in records],
+            "value": [float(r.value) for r in records],
+            "time": [r.time for r in records],
+        },
+        schema=SCHEMA,
+    )
 
 
 def best_ms(fn, repeats: int = 30) -> float:
@@ -101,6 +118,12 @@ def main() -> None:
         names = {r.name for r in flat_records if "/global/" not in r.name}
         assert names == {r.name for r in loop_records if "/global/" not in r.name}
         flat = best_ms(lambda: decode(1, host, ms._layout).records("r", 0, 0.0))
+        # The Parquet writer's conversion of one step's records, from columns (what a
+        # flush emits) and from a tuple per record (what it emitted before).
+        columns = decode(1, host, ms._layout).records("r", 0, 0.0)
+        tuples = list(columns)
+        arrow_columns = best_ms(lambda: records_to_table(columns))
+        arrow_tuples = best_ms(lambda: records_to_table_from_tuples(tuples))
         loop = best_ms(lambda: per_key_records(host, ms._specs, ms._offsets, 1))
         handle.close()
         run.close()
@@ -108,7 +131,8 @@ def main() -> None:
     line = (
         f"demo large schema ({n} records/step), host ms on the training thread: "
         f"handle.step {statistics.median(step_ms):.2f}; decode+records flat {flat:.2f} vs "
-        f"per-key loop {loop:.2f} (x{loop / flat:.1f})"
+        f"per-key loop {loop:.2f} (x{loop / flat:.1f}); Parquet writer's table per step "
+        f"from columns {arrow_columns:.2f} vs from tuples {arrow_tuples:.2f}"
     )
     print(line)
     if not args.no_record:
