@@ -41,7 +41,7 @@ class OffsetRing:
         The same values as last time return the same device tensor without a copy: a
         training loop in steady state gets its activations at the same addresses every
         step (the caching allocator replays its pattern), and the copy with its event
-        costs ~115 us of the H200's host (bench/RESULTS.md). That tensor is never
+        is three torch calls of host time. That tensor is never
         rewritten while it is the last one: the next different table goes to the next
         slot, stream-ordered after every kernel that read this one.
         """

@@ -1,23 +1,24 @@
-"""One grouped launch per forward for a monitor's per-layer reads (``launch="grouped"``).
+"""One grouped launch per forward for a monitor's per-layer reads (the default launch).
 
-On a host-bound step every kernel launch is host time: two Triton launches per hooked
-module cost ~100 us of the H200's host, 150-220 us per hook in all (bench/RESULTS.md,
-``monitor_host_cost``). In grouped mode a hook only keeps the tensor it would have
-read. When every hooked layer has one (the forward passed the last of them), one
-grouped partials kernel reads all of them and one fold updates every layer's slots:
-two launches per forward instead of two per layer. The tensors held are the layers'
-outputs of the current forward, which training keeps for backward anyway; under
-``no_grad`` (evaluation) nothing does, so there each layer launches on its own. With
-activation checkpointing the outputs are not kept either, and holding them would undo
-part of its saving: use ``launch="layer"`` there.
+On a host-bound step every kernel launch is host time: with two Triton launches per
+hooked module a hook cost 139-288 us of the H200's host, one grouped launch per
+forward brings it to 22-49 us per hooked module, launches included (bench/RESULTS.md,
+``monitor_host_cost``, 27552df and 0fae693; the range is two machines). In grouped
+mode a hook only keeps a reference to the tensor it would have read. When every
+hooked layer has one (the forward passed the last of them), one grouped partials
+kernel reads all of them and one fold updates every layer's slots: two launches per
+forward instead of two per layer. The tensors held are the layers' outputs of the
+current forward, which training keeps for backward anyway; under ``no_grad``
+(evaluation) nothing does, so there each layer launches on its own. With activation
+checkpointing the outputs are not kept either, and holding them would undo part of
+its saving: use ``launch="layer"`` there.
 
 The per-layer path is still taken, layer by layer, when the set is not the whole
 model in one forward: a layer seen again before the set is complete (activation
 recompute, a second forward), what is pending at flush, tensors whose shape, dtype or
-row stride differ between layers, or no free offset buffer (``OffsetRing``).
+strides differ between layers, or no free offset buffer (``OffsetRing``).
 
-Status: tested in Triton's interpreter (CI); not yet measured on a GPU, hence opt-in
-(``SYNCLESS_MONITOR_LAUNCH=grouped`` or ``launch="grouped"``).
+``launch="layer"`` or ``SYNCLESS_MONITOR_LAUNCH=layer`` restores per-layer launches.
 """
 
 from __future__ import annotations
@@ -95,9 +96,8 @@ class LayerBatch:
     def add(self, layer: int, *xs: torch.Tensor) -> None:
         """Keep ``layer``'s tensors; launch when every layer has them.
 
-        Only a reference is kept here (the view and the checks run once per forward, at
-        launch): a hook costs ~1 us of host work, where each torch call on the H200's
-        host costs 1-7 us (``reshape`` 7.4, ``detach`` 0.9; bench/RESULTS.md).
+        Only a reference is kept here: the view and the checks run once per forward,
+        at launch, since every torch call (even a ``reshape``) is host time per layer.
         """
         if not torch.is_grad_enabled() or (
             xs[0].is_cuda and torch.cuda.is_current_stream_capturing()
