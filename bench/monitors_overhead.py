@@ -7,9 +7,8 @@ allocate; collections are theirs to pay), with the setup's objects frozen out of
 
 For each phase (``stack``: every monitor at its default cadence, norms on in 1 of 10
 monitored steps; ``all``: every monitor every time; each monitor alone; the naive
-implementation) the
-monitors stay attached for a segment of steps and are switched on by the host cadence
-in a period-4 pattern: off, off, ON, off. A monitored step's hooks and its flush land
+implementation) the monitors stay attached for a segment of steps and are switched on
+by the host cadence in a period-4 pattern: off, off, ON, off. A monitored step's hooks and its flush land
 in its own step time (the flush runs after the optimizer step and before the loss
 read-back, as in the demo: lagged, it overlaps the device's tail of the step), and any
 lagged device work in the next step's, so the cost of one monitored step is
