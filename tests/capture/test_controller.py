@@ -11,6 +11,7 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 
 from syncless.capture import (
@@ -131,6 +132,25 @@ def test_budget_rules() -> None:
     ctl.complete(g, before_close=True, transfer_s=1.0, window_s=1.0)  # E = 810 < A = 900
     assert evidence(ctl) == (900, None, 810)
     assert (ctl.budget(0), ctl.grant(0, 6, [1] * 2000).reason) == (900, GrantReason.SAFE)
+
+
+def test_estimate_is_a_low_quantile_of_the_latest_clean_capacities() -> None:
+    """E against numpy's "lower" quantile of the last ``estimate_history`` capacities
+    (bytes / transfer_s * window_s); a capacity shift starts the history over."""
+    ctl = make(staging=10**9, estimate_history=10, estimate_quantile=0.2, estimate_margin=1.0)
+    rng = random.Random(7)
+    capacities = []
+    for occurrence in range(25):
+        nbytes = rng.randrange(1000, 2000)
+        capacities.append(nbytes * 2)  # window twice the transfer
+        g = Grant(ctl.version, occurrence, 0, 10**9, 1, nbytes, False, GrantReason.SAFE, epoch=0)
+        ctl.complete(g, before_close=True, transfer_s=0.5, window_s=1.0)
+        expected = np.quantile(capacities[-10:], 0.2, method="lower")
+        assert evidence(ctl)[2] == round(expected), occurrence
+    safe = evidence(ctl)[0]
+    g = Grant(ctl.version, 25, 0, 10**9, 1, safe, False, GrantReason.SAFE, epoch=0)
+    ctl.complete(g, before_close=False, transfer_s=0.5, window_s=0.25)  # overran at A
+    assert evidence(ctl) == (None, safe, round(safe / 0.5 * 0.25))
 
 
 def test_estimate_never_lifts_a_grant_above_staging() -> None:

@@ -196,6 +196,27 @@ def test_two_windows_and_oversized_records() -> None:
     assert s["bytes_moved"] == s["bytes_captured"] == 3 * 7 * MiB
 
 
+def test_windows_that_vary_are_budgeted_for_their_short_occurrences() -> None:
+    """A 10 ms window lasting 7-10 ms (jitter 0.3), 300 occurrences. E from the latest
+    clean transfer budgets each window for the one before it and overruns whenever a
+    long occurrence precedes a short one; E from the 10% quantile of the last 16 keeps
+    the overruns to the initial bisection (a static window of this size needs 5, the
+    shortest occurrence here is shorter still, so it converges no later)."""
+    trace = json.loads((TRACES / "jitter.json").read_text())
+    history = simulate(parse_trace(trace))
+    latest = simulate(parse_trace({**trace, "controller": {"estimate_history": 1}}))
+    static = simulate(parse_trace({**trace, "jitter": {"fraction": 0}}))
+    assert static["overruns"] == 5 and static["transfers"] == 300
+    assert history["overruns"] <= static["overruns"]
+    assert latest["overruns"] >= history["overruns"] + 3
+    assert history["bytes_overlapping_critical"] < latest["bytes_overlapping_critical"]
+    # the price: a few percent fewer bytes carried in windows
+    windows = history["bytes_by_path"]["windows"]
+    assert 0.95 * latest["bytes_by_path"]["windows"] <= windows < latest["bytes_by_path"]["windows"]
+    # the same draws every run
+    assert simulate(parse_trace(trace)) == history
+
+
 def test_uniform_records_are_reproducible() -> None:
     trace = json.loads((TRACES / "static.json").read_text())
     trace["records"] = {"count": 5, "min_bytes": 1000, "max_bytes": 900_000, "seed": 3}
@@ -285,6 +306,12 @@ def _with(**changes) -> dict:
         (_with(changes=[{"occurrence": 1}]), [".changes[0] changes nothing"]),
         (_with(controller={"unsafe_expiry": 0}), [".controller: ControllerConfig.unsafe_expiry"]),
         (_with(controller={"expiry": 5}), [".controller has unknown key(s) 'expiry'"]),
+        (_with(jitter={"fraction": 1}), [".jitter.fraction is 1; expected [0, 1)"]),
+        (_with(jitter={"seed": 1}), [".jitter is missing 'fraction'"]),
+        (
+            _with(controller={"estimate_quantile": 2}),
+            [".controller: ControllerConfig.estimate_quantile must be in [0, 1]"],
+        ),
     ],
 )
 def test_bad_traces_exit_2_with_a_clear_message(

@@ -45,8 +45,11 @@ def test_forced_triton_on_cpu_without_the_interpreter_says_what_to_do(backend, m
     not (kernels.triton_importable() and kernels.interpreting()),
     reason="needs triton and TRITON_INTERPRET=1",
 )
-def test_each_hooked_module_records_with_one_fold(backend, monkeypatch):
-    """One fold per hooked module per forward: the fused path, not the torch ops."""
+@pytest.mark.parametrize("launch", ["layer", "grouped"])
+def test_each_hooked_module_records_with_one_fold(backend, monkeypatch, launch):
+    """One fold per hooked module per forward (per-layer launches), or one per monitor
+    per forward (grouped, the default): the fused path, not the torch ops."""
+    monkeypatch.setenv("SYNCLESS_MONITOR_LAUNCH", launch)
     import syncless.kernels.fold as fold_module
 
     calls = []
@@ -60,7 +63,8 @@ def test_each_hooked_module_records_with_one_fold(backend, monkeypatch):
     tokens = torch.randint(0, 256, (2, 16))
     with no_sync(cpu_as_device=True):
         model(tokens)
-    assert len(calls) == 4 * cfg.n_layers  # one per module: attention, router, output x2
+    # attention, router, output x2: per module, or per monitor for every layer at once
+    assert len(calls) == (4 * cfg.n_layers if launch == "layer" else 4)
     (records,) = [handle.step(0)]
     assert any(r.name.endswith("attn_qk_logit_max") for r in records)
     handle.close()
