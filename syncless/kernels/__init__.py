@@ -148,6 +148,20 @@ def flat_view(x: torch.Tensor) -> torch.Tensor:
     return flat_view(x)
 
 
+def output_stats_partials_grouped(
+    first: torch.Tensor, offsets: torch.Tensor, n_layers: int
+) -> torch.Tensor:
+    from syncless.kernels.activations import output_stats_partials_grouped
+
+    return output_stats_partials_grouped(first, offsets, n_layers)
+
+
+def output_counts_exact(rows: int, channels: int) -> bool:
+    from syncless.kernels.activations import output_counts_exact
+
+    return output_counts_exact(rows, channels)
+
+
 def nonfinite_partials_grouped(
     first: torch.Tensor, offsets: torch.Tensor, n_layers: int
 ) -> torch.Tensor:

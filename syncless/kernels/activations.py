@@ -8,6 +8,9 @@ under 1% of a ``[8192, 1024]`` bf16 activation). NaN is not propagated into the 
 
 ``nonfinite_partials``: programs split the flattened tensor; each counts its elements
 that are NaN or +-Inf. Partials ``[P, 1]``.
+
+``output_stats_partials_grouped``: both, for every layer at once, in one read of each
+layer output (the activations and nonfinite monitors read the same tensor).
 """
 
 from __future__ import annotations
@@ -69,6 +72,37 @@ def _absmax_grouped_kernel(
     base = x_ptr + tl.load(offsets_ptr + layer)
     acc = _absmax_rows(base, pr, c, c_ok, R, sxr, ROWS_PER_PROGRAM, BLOCK_R, BLOCK_C)
     tl.store(out_ptr + pr.to(tl.int64) * OUT_STRIDE + layer.to(tl.int64) * C + c, acc, mask=c_ok)
+
+
+@triton.jit(do_not_specialize=["R", "ROWS_PER_PROGRAM"])
+def _output_grouped_kernel(
+    x_ptr, offsets_ptr, out_ptr, R, C, sxr, ROWS_PER_PROGRAM, OUT_STRIDE,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Both reads of a layer output in one pass: per-channel max |x| at columns
+    ``[layer * (C + 1), layer * (C + 1) + C)`` and the NaN/Inf count, added atomically
+    by every channel block of the row block, at column ``layer * (C + 1) + C`` of the
+    zeroed ``out`` ``[P, L * (C + 1)]``."""
+    pr = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    layer = tl.program_id(2)
+    c_ok = c < C
+    base = x_ptr + tl.load(offsets_ptr + layer)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    bad = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
+    r0 = pr * ROWS_PER_PROGRAM
+    r_end = tl.minimum(r0 + ROWS_PER_PROGRAM, R)
+    for i in range(r0, r_end, BLOCK_R):
+        r = i + tl.arange(0, BLOCK_R)
+        ok = (r < r_end)[:, None] & c_ok[None, :]
+        v = tl.load(base + r[:, None].to(tl.int64) * sxr + c[None, :], mask=ok, other=0.0)
+        v = v.to(tl.float32)
+        acc = tl.maximum(acc, tl.max(tl.abs(v), axis=0))
+        bad += ((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32)
+    row = out_ptr + pr.to(tl.int64) * OUT_STRIDE + layer.to(tl.int64) * (C + 1)
+    tl.store(row + c, acc, mask=c_ok)
+    # Exact in float32: a row block's count is at most ROWS_PER_PROGRAM * C << 2**24.
+    tl.atomic_add(row + C, tl.sum(tl.sum(bad, axis=1), axis=0).to(tl.float32))
 
 
 @triton.jit
@@ -185,3 +219,29 @@ def nonfinite_partials_grouped(
         first, offsets, out, n, per_program, n_layers, BLOCK=_BLOCK
     )
     return out
+
+
+@hot_path
+def output_stats_partials_grouped(
+    first: torch.Tensor, offsets: torch.Tensor, n_layers: int
+) -> torch.Tensor:
+    """``channel_absmax_partials_grouped`` and ``nonfinite_partials_grouped`` in one read:
+    partials ``[P, L * (C + 1)]``, per layer its ``C`` per-channel maxima then its NaN/Inf
+    count (``first``, ``offsets`` as there: ``[rows, channels]`` views)."""
+    rows, channels = first.shape
+    per_program, n_partials = _row_split(rows)
+    width = n_layers * (channels + 1)
+    out = torch.zeros((n_partials, width), dtype=torch.float32, device=first.device)
+    grid = (n_partials, triton.cdiv(channels, _BLOCK_C), n_layers)
+    _output_grouped_kernel[grid](
+        first, offsets, out, rows, channels, first.stride(0), per_program, width,
+        BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+    )  # fmt: skip
+    return out
+
+
+def output_counts_exact(rows: int, channels: int) -> bool:
+    """Whether ``output_stats_partials_grouped``'s float32 counts are exact for these
+    views: a row block's count is at most its rows times the channels."""
+    per_program, _ = _row_split(rows)
+    return per_program * channels <= 2**24

@@ -14,6 +14,7 @@ the whole vector: no collective of its own on the hot path.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,6 +53,14 @@ class ActivationsMonitor:
         # per layer: (channel key, absmax key, ratio key, threshold count keys)
         self._keys: dict[int, tuple[str, str, str, list[str]]] = {}
         self._batch: LayerBatch | None = None
+        # One read shared with the nonfinite monitor (syncless.monitors.output_read).
+        self._shared: LayerBatch | None = None
+        self._partner: Any = None
+
+    def share(self, batch: LayerBatch, partner: Any) -> None:
+        """Read each output for ``partner`` too, through ``batch``, on steps where it is
+        active as well (``syncless.monitors.output_read``)."""
+        self._shared, self._partner = batch, partner
 
     def prepare(self, ctx: MonitorContext) -> None:
         width = ctx.model.d_model
@@ -106,8 +115,12 @@ class ActivationsMonitor:
             if not self.active:
                 return
             if kernels.use_triton(hidden):
-                if self._batch is not None:
-                    self._batch.add(layer, hidden)  # the site's hook detached it
+                if self._batch is not None:  # the site's hook detached ``hidden``
+                    shared = self._shared
+                    if shared is not None and self._partner.active:
+                        shared.add(layer, hidden)  # read once for both monitors
+                    else:
+                        self._batch.add(layer, hidden)
                     return
                 groups[layer].fold(kernels.channel_absmax_partials(hidden.detach()), 1)
                 return

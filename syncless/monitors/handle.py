@@ -13,6 +13,7 @@ from torch import nn
 from syncless.metrics import MetricSet, Readout
 from syncless.monitors.adapters import find_layers
 from syncless.monitors.base import AREA, Monitor, MonitorContext
+from syncless.monitors.output_read import fuse_output_reads
 from syncless.run import Run, StepRecord, check_metric_name
 from syncless.run.records import StepRecords
 
@@ -188,5 +189,6 @@ def attach(
     ctx.metrics.allocate(device)
     for m in monitors:
         m.attach(ctx)
+    fuse_output_reads(ctx, monitors)
     is_main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     return MonitorHandle(monitors, ctx, run, lagged, emit=is_main, strict=strict)

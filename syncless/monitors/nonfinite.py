@@ -12,6 +12,8 @@ code may use on the device (e.g. ``torch.where`` to skip an update) without a sy
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from syncless import kernels
@@ -33,6 +35,14 @@ class NonFiniteMonitor:
         self._alert: Slot | None = None
         self._batch: LayerBatch | None = None
         self._layers: list[int] = []
+        # One read shared with the activations monitor (syncless.monitors.output_read).
+        self._shared: LayerBatch | None = None
+        self._partner: Any = None
+
+    def share(self, batch: LayerBatch, partner: Any) -> None:
+        """Leave the read to ``partner``'s hook, through ``batch``, on steps where it is
+        active as well (``syncless.monitors.output_read``)."""
+        self._shared, self._partner = batch, partner
 
     def prepare(self, ctx: MonitorContext) -> None:
         for site in ctx.model.layers:
@@ -84,8 +94,10 @@ class NonFiniteMonitor:
             # x - x is 0 for every finite x and NaN for NaN and +-inf: 2 kernels, where
             # isfinite().logical_not().sum() decomposes into 6 (abs, ne, eq, mul, ...).
             if kernels.use_triton(hidden):
-                if self._batch is not None:
-                    self._batch.add(layer, hidden)  # the site's hook detached it
+                if self._batch is not None:  # the site's hook detached ``hidden``
+                    if self._shared is not None and self._partner.active:
+                        return  # the activations hook reads this output for both
+                    self._batch.add(layer, hidden)
                     return
                 groups[layer].fold(kernels.nonfinite_partials(hidden.detach()), 1)
                 return

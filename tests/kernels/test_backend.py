@@ -64,7 +64,8 @@ def test_each_hooked_module_records_with_one_fold(backend, monkeypatch, launch):
     with no_sync(cpu_as_device=True):
         model(tokens)
     # attention, router, output x2: per module, or per monitor for every layer at once
-    assert len(calls) == (4 * cfg.n_layers if launch == "layer" else 4)
+    # (grouped: activations and nonfinite share one read of each output, syncless.monitors.output_read)
+    assert len(calls) == (4 * cfg.n_layers if launch == "layer" else 3)
     (records,) = [handle.step(0)]
     assert any(r.name.endswith("attn_qk_logit_max") for r in records)
     handle.close()

@@ -15,6 +15,7 @@ from syncless.metrics import MetricSet
 from syncless.monitors import build
 from syncless.monitors.adapters import find_layers
 from syncless.monitors.base import MonitorContext
+from syncless.monitors.output_read import fuse_output_reads
 
 pytestmark = [
     pytest.mark.cuda,
@@ -44,11 +45,12 @@ def _readout(
         ctx = MonitorContext(find_layers(model), MetricSet())
         monitors = build(NAMES)
         for m in monitors:
-            m.launch = launch
+            m.launch = "grouped" if launch == "shared" else launch
             m.prepare(ctx)
         ctx.metrics.allocate("cuda")
         for m in monitors:
             m.attach(ctx)
+        shared = fuse_output_reads(ctx, monitors) if launch == "shared" else None
         with no_sync(), torch.autocast("cuda", dtype=torch.bfloat16):
             model(tokens)
             model(tokens[:1, :40])  # a second shape: accumulation across calls
@@ -56,6 +58,10 @@ def _readout(
             batch.launch()
         if launch == "grouped":
             assert all(b.grouped_launches == 2 for b in ctx.batches), "one per forward"
+        if launch == "shared":  # activations and nonfinite read each output once, together
+            assert shared is not None and shared.grouped_launches == 2
+            launched = sorted(b.grouped_launches for b in ctx.batches)
+            assert launched == [0, 0, 2, 2, 2], launched
         (out,) = ctx.metrics.flush(0, wait=True)
         return out.values
     finally:
@@ -77,12 +83,14 @@ def test_triton_and_torch_paths_agree_under_bf16_autocast(poison):
             np.testing.assert_allclose(got[key], ref[key], rtol=2e-3, atol=1e-4, err_msg=key)
 
 
+@pytest.mark.parametrize("launch", ["grouped", "shared"])
 @pytest.mark.parametrize("poison", [False, True])
-def test_grouped_launches_agree_with_per_layer_launches(poison):
-    """launch="grouped" (one kernel per monitor per forward) on the compiled kernels."""
+def test_grouped_launches_agree_with_per_layer_launches(poison, launch):
+    """launch="grouped" (one kernel per monitor per forward), and with activations and
+    nonfinite sharing one read ("shared"), on the compiled kernels."""
     tokens = torch.randint(0, 256, (4, 64), device="cuda")
     ref = _readout("triton", tokens, poison)
-    got = _readout("triton", tokens, poison, launch="grouped")
+    got = _readout("triton", tokens, poison, launch=launch)
     assert ref.keys() == got.keys()
     for key in ref:
         np.testing.assert_allclose(got[key], ref[key], rtol=1e-6, atol=0, err_msg=key)

@@ -96,6 +96,50 @@ def test_nonfinite_counts_and_device_alert(launch, kernel_backend):
         assert (mon._batch.grouped_launches, mon._batch.single_launches) == (1, 0)
 
 
+def test_shared_output_read_matches_naive_recounts_and_keeps_each_cadence(kernel_backend):
+    """Activations and nonfinite attached together share one read of each output
+    (syncless.monitors.output_read): per-channel maxima and NaN/Inf counts against
+    plain recounts, the alert on the device; a step where only nonfinite is active uses
+    its own read."""
+    model = _model()
+    acts, nonf = ActivationsMonitor(every=2), NonFiniteMonitor()
+    handle = attach(model, [acts, nonf], lagged=False)
+    tokens = torch.randint(0, 256, (2, 8))
+    with no_sync(cpu_as_device=True):
+        model(tokens)  # step 0: both active
+    clean = {r.name: r.value for r in handle.step(0)}
+    with torch.no_grad():
+        model.layers[1].moe.router.gate.weight[0, 0] = float("nan")
+    with no_sync(cpu_as_device=True):
+        model(tokens)  # step 1: nonfinite only (activations every 2)
+        alert = nonf.alert.clone()
+    poisoned = {r.name: r.value for r in handle.step(1)}
+    handle.close()
+
+    outs = _block_outputs(_model(), tokens)
+    for i, out in enumerate(outs):
+        scope = f"monitors/layer_{i:02d}"
+        top = float(out.abs().max())
+        assert clean[f"{scope}/act_absmax"] == pytest.approx(top, rel=1e-6)
+        assert clean[f"{scope}/nonfinite_count"] == 0
+    assert clean["monitors/step/nonfinite_alert_count"] == 0
+    poisoned_model = _model()
+    with torch.no_grad():
+        poisoned_model.layers[1].moe.router.gate.weight[0, 0] = float("nan")
+    truth = [int((~torch.isfinite(o)).sum()) for o in _block_outputs(poisoned_model, tokens)]
+    assert truth[0] == 0 and truth[1] > 0
+    assert poisoned["monitors/layer_01/nonfinite_count"] == truth[1]
+    assert poisoned["monitors/step/nonfinite_alert_count"] == float(alert) == max(truth)
+    assert not any(n.endswith("/act_absmax") for n in poisoned)  # activations were off
+    shared = acts._shared
+    assert shared is not None and shared is nonf._shared
+    if kernel_backend == "triton":
+        assert (shared.grouped_launches, shared.single_launches) == (1, 0)
+        assert (nonf._batch.grouped_launches, acts._batch.grouped_launches) == (1, 0)
+    else:  # the torch ops record in the hooks; no batch launches
+        assert (shared.grouped_launches, shared.single_launches) == (0, 0)
+
+
 def test_cadence_inactive_steps_record_nothing_and_close_removes_hooks():
     model = _model()
     mon = ActivationsMonitor(every=2)
