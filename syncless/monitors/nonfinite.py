@@ -1,10 +1,12 @@
 """NaN/Inf counts per layer output, and an on-device alert flag.
 
 Hot path per layer: ``count_nonzero(x - x)`` (2 kernels, one read of the activation)
-and the slot ops (2 for the count, 2 for the alert); on CUDA two fused launches, or,
-with ``launch="grouped"``, two per forward plus the alert's update
-(syncless.monitors.layer_batch), which then lands once the forward has passed the last
-layer: still before backward and the optimizer step. The alert, ``monitors/step/nonfinite_alert_count``
+and the slot ops (2 for the count, 2 for the alert); on CUDA two launches per forward
+for every layer plus the alert's update (grouped, the default: syncless.monitors.
+layer_batch; shared with the activations monitor's read when both are attached:
+syncless.monitors.output_read), which then lands once the forward has passed the last
+layer: still before backward and the optimizer step; ``launch="layer"``: two fused
+launches per layer. The alert, ``monitors/step/nonfinite_alert_count``
 (the largest per-layer count this step), is a max metric in the same packed buffer: it
 rides in the flush's one D2H copy, and ``alert`` is its device tensor, which training
 code may use on the device (e.g. ``torch.where`` to skip an update) without a sync.
