@@ -60,7 +60,8 @@ class StepRecords(Sequence[StepRecord]):
         time: float,
     ) -> None:
         """Append records of one step and rank (names and values of equal length)."""
-        # The lists are kept, not copied: callers hand over lists they do not reuse.
+        # The lists are kept, not copied: callers hand over lists nobody mutates later
+        # (a readout passes its layout's name list every step), and nothing here does.
         names = names if isinstance(names, list) else list(names)
         values = values if isinstance(values, list) else list(values)
         if len(names) != len(values):
@@ -73,12 +74,25 @@ class StepRecords(Sequence[StepRecord]):
         self.add(record.run, record.step, record.rank, [record.name], [record.value], record.time)
 
     def extend(self, records: Iterable[StepRecord]) -> None:
+        """Append ``records``: another ``StepRecords`` by its chunks (shared, not
+        copied), anything else as one chunk per run of records with the same run, step,
+        rank and time."""
         if isinstance(records, StepRecords):
             self._chunks += records._chunks
             self._len += records._len
-        else:
-            for r in records:
-                self.append(r)
+            return
+        key: tuple | None = None
+        names: list[str] = []
+        values: list[float] = []
+        for r in records:
+            if (r.run, r.step, r.rank, r.time) != key:
+                if key is not None:
+                    self.add(key[0], key[1], key[2], names, values, key[3])
+                key, names, values = (r.run, r.step, r.rank, r.time), [], []
+            names.append(r.name)
+            values.append(r.value)
+        if key is not None:
+            self.add(key[0], key[1], key[2], names, values, key[3])
 
     def chunks(self) -> list[tuple[str, int, int, list[str], list[float], float]]:
         """The columns as appended: ``(run, step, rank, names, values, time)`` each."""
