@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from syncless import kernels
 from syncless.hot_path import hot_path
+from syncless.kernels.offsets import OffsetRing
 from syncless.metrics import Readout, Slot, layer_scope
 from syncless.monitors.base import AREA, MonitorContext, check_every
 
@@ -67,6 +69,65 @@ def grad_norms(params: list[nn.Parameter], zero: torch.Tensor) -> list[torch.Ten
         return foreach_norms(present)
     norms = iter(foreach_norms(present) if present else [])
     return [zero if g is None else next(norms) for g in grads]
+
+
+class _FusedBucket:
+    """One dtype bucket's tensors through ``syncless.kernels.norms``: a launch per
+    quantity instead of ``_foreach_norm``'s chunked launches. Offsets are re-read from
+    the tensors every active step (a model moved to another device, or gradients
+    reallocated by ``zero_grad(set_to_none=True)``, change them) and uploaded only when
+    they changed. Each method returns ``None`` where the fused path does not apply (a
+    tensor not contiguous, a missing gradient, no free offsets buffer), and the caller
+    takes the foreach path for that bucket.
+    """
+
+    def __init__(self, tensors: list[nn.Parameter], groups: list[int], n_groups: int) -> None:
+        from syncless.kernels.norms import BlockTable
+
+        self.table = BlockTable.build(list(tensors), groups, n_groups)
+        device = tensors[0].device
+        self.sizes = [t.numel() for t in tensors]
+        self.group_ids = torch.tensor(groups, dtype=torch.int64).to(device)
+        self._rings = (OffsetRing(device, len(tensors)), OffsetRing(device, len(tensors)))
+
+    def _offsets(self, tensors: list[torch.Tensor], ring: int) -> torch.Tensor | None:
+        from syncless.kernels.norms import element_offsets
+
+        offsets = element_offsets(tensors)
+        return None if offsets is None else self._rings[ring].upload(offsets)
+
+    @hot_path
+    def sumsq(self, tensors: list[torch.Tensor], ring: int) -> torch.Tensor | None:
+        from syncless.kernels.norms import group_sumsq as fused_sumsq
+
+        offsets = self._offsets(tensors, ring)
+        return None if offsets is None else fused_sumsq(tensors[0], offsets, self.table)
+
+    @hot_path
+    def grad_sumsq(self, params: list[nn.Parameter]) -> torch.Tensor | None:
+        # ``p.grad is None`` is Python structure, not a tensor value: no sync.
+        grads = [p.grad for p in params]
+        if any(g is None for g in grads):
+            return None
+        return self.sumsq(grads, 1)  # type: ignore[arg-type]
+
+    @hot_path
+    def snapshot(self, params: list[nn.Parameter]) -> torch.Tensor | None:
+        from syncless.kernels.norms import snapshot
+
+        offsets = self._offsets(list(params), 0)
+        return None if offsets is None else snapshot(params[0], offsets, self.table)
+
+    @hot_path
+    def diff_sumsq(self, params: list[nn.Parameter], snap: torch.Tensor) -> torch.Tensor:
+        from syncless.kernels.norms import group_diff_sumsq
+
+        offsets = self._offsets(list(params), 0)
+        if offsets is None:  # no free offsets buffer: the same sums through foreach ops
+            before = [s.view_as(p) for s, p in zip(snap.split(self.sizes), params, strict=True)]
+            torch._foreach_sub_(before, list(params))
+            return group_sumsq(foreach_norms(before), self.group_ids, self.table.n_groups)
+        return group_diff_sumsq(params[0], offsets, self.table, snap)
 
 
 @dataclass
@@ -210,6 +271,7 @@ class NormsMonitor:
         for p, g in members:
             buckets.setdefault((p.device, p.dtype), []).append((p, g))
         self._buckets = [[p for p, _ in b] for b in buckets.values()]
+        self._bucket_groups = [[g for _, g in b] for b in buckets.values()]
         self._group_of = [g for b in buckets.values() for _, g in b]
         self.unmonitored_params = len(in_optimizer - monitored)
 
@@ -226,6 +288,14 @@ class NormsMonitor:
         self._scatter = {q: _scatter(self._groups, q, buffer.device) for q in quantities}
         self._buffer = buffer
         self._gate, self._gate_on = ctx.metrics.gate, ctx.metrics.gate_on
+        n = len(self._groups)
+        self._fused = [
+            _FusedBucket(bucket, groups, n) if kernels.use_triton(bucket[0]) else None
+            for bucket, groups in zip(self._buckets, self._bucket_groups, strict=True)
+        ]
+        self._bucket_ids = [
+            torch.tensor(groups, dtype=torch.int64).to(device) for groups in self._bucket_groups
+        ]
         self._own_handles = [
             self.optimizer.register_step_pre_hook(ctx.timed(self.name, self._pre_step)),
             self.optimizer.register_step_post_hook(ctx.timed(self.name, self._post_step)),
@@ -238,33 +308,55 @@ class NormsMonitor:
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not self.active:
             return
-        assert self._group_ids is not None and self._zero is not None  # set by attach()
+        assert self._zero is not None  # set by attach()
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         with torch.no_grad():
-            p_norms: list[torch.Tensor] = []
-            g_norms: list[torch.Tensor] = []
-            for bucket in self._buckets:
-                p_norms += foreach_norms(bucket)
-                g_norms += grad_norms(bucket, self._zero)
-            n = len(self._groups)
-            self._record("param", group_sumsq(p_norms, self._group_ids, n))
-            self._record("grad", group_sumsq(g_norms, self._group_ids, n))
+            params: torch.Tensor | None = None
+            grads: torch.Tensor | None = None
+            snapshots: list = []
+            for i, bucket in enumerate(self._buckets):
+                fused = None if capturing else self._fused[i]
+                ids = self._bucket_ids[i]
+                p = fused.sumsq(bucket, 0) if fused is not None else None
+                if p is None:
+                    p = group_sumsq(foreach_norms(bucket), ids, len(self._groups))
+                g = fused.grad_sumsq(bucket) if fused is not None else None
+                if g is None:
+                    g = group_sumsq(grad_norms(bucket, self._zero), ids, len(self._groups))
+                params = p if params is None else params + p
+                grads = g if grads is None else grads + g
+                if self.update_ratio:
+                    snap = fused.snapshot(bucket) if fused is not None else None
+                    # x * 1.0 is x exactly (finite or not); the foreach op allocates
+                    # every copy in C++, where an empty_like per parameter is a torch
+                    # call each.
+                    snapshots.append(
+                        snap if snap is not None else list(torch._foreach_mul(bucket, 1.0))
+                    )
+            assert params is not None and grads is not None
+            self._record("param", params)
+            self._record("grad", grads)
             if self.update_ratio:
-                # x * 1.0 is x exactly (finite or not); the foreach op allocates every
-                # copy in C++, where an empty_like per parameter is a torch call each.
-                self._snapshot = [list(torch._foreach_mul(b, 1.0)) for b in self._buckets]
+                self._snapshot = snapshots
 
     @hot_path
     def _post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is None:  # inactive step, or update_ratio off
             return
-        assert self._group_ids is not None
         with torch.no_grad():
-            u_norms: list[torch.Tensor] = []
-            for bucket, copies in zip(self._buckets, snapshot, strict=True):
-                torch._foreach_sub_(copies, bucket)  # in place: before - after, no new copy
-                u_norms += foreach_norms(copies)
-            self._record("update", group_sumsq(u_norms, self._group_ids, len(self._groups)))
+            total: torch.Tensor | None = None
+            for i, (bucket, snap) in enumerate(zip(self._buckets, snapshot, strict=True)):
+                fused = self._fused[i]
+                if isinstance(snap, torch.Tensor):  # the fused snapshot: one flat copy
+                    assert fused is not None
+                    u = fused.diff_sumsq(bucket, snap)
+                else:
+                    torch._foreach_sub_(snap, bucket)  # in place: before - after
+                    u = group_sumsq(foreach_norms(snap), self._bucket_ids[i], len(self._groups))
+                total = u if total is None else total + u
+            assert total is not None
+            self._record("update", total)
 
     @hot_path
     def _record(self, quantity: str, sums: torch.Tensor) -> None:

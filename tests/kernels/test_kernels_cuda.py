@@ -132,3 +132,40 @@ def test_fused_record_replays_in_a_cuda_graph():
     np.testing.assert_array_equal(out.values["t/step/x_absmax"], expected)
     assert out.values["t/step/x_nonfinite_count"] == 3
     assert out.values["t/step/alert_count"] == 1
+
+
+def _norms_readout(backend: str) -> dict[str, np.ndarray]:
+    from syncless.monitors.norms import NormsMonitor
+
+    previous = kernels.backend()
+    kernels.set_backend(backend)
+    try:
+        torch.manual_seed(0)
+        model = MoETransformer(preset("tiny", n_layers=3, d_model=128, n_heads=4)).cuda()
+        init_weights(model, 0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # a sync-free step
+        ctx = MonitorContext(find_layers(model), MetricSet())
+        mon = NormsMonitor(opt, every=1)
+        mon.prepare(ctx)
+        ctx.metrics.allocate("cuda")
+        mon.attach(ctx)
+        assert (mon._fused[0] is not None) == (backend == "triton")
+        tokens = torch.randint(0, 256, (4, 64), device="cuda")
+        with no_sync():
+            logits, balance = model(tokens)
+            (logits.float().square().mean() + balance).backward()
+            opt.step()
+        (out,) = ctx.metrics.flush(0, wait=True)
+        return out.values
+    finally:
+        kernels.set_backend(previous)
+
+
+def test_fused_norms_agree_with_the_foreach_path():
+    """Per-group sums of squares of parameters, gradients and the update, in one launch
+    per quantity, against torch's _foreach_norm path on the same step."""
+    ref = _norms_readout("torch")
+    got = _norms_readout("triton")
+    assert ref.keys() == got.keys()
+    for key in ref:
+        np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=0, err_msg=key)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from syncless import kernels
 from syncless.demo.config import preset
 from syncless.demo.model import MoETransformer, init_weights
 from syncless.demo.parallel import is_expert_param
@@ -78,6 +79,43 @@ def test_demo_model_norms_match_a_naive_recount():
         assert out["monitors/global/update_ratio"] == pytest.approx(math.sqrt(u / p), rel=1e-4)
         # embed.weight and the final norm are the optimizer's, outside every layer
         assert out["monitors/global/norms_unmonitored_params_count"] == 2
+    # the fused kernels ran on the Triton backend (one launch per quantity and bucket)
+    fused = [f for f in mon._fused if f is not None]
+    assert bool(fused) == (kernels.backend() == "triton")
+    assert all(f._rings[0].uploads >= 1 and f._rings[1].uploads >= 1 for f in fused)
+
+
+def test_update_norm_survives_a_busy_offsets_buffer(monkeypatch):
+    """When the post-step finds no offsets buffer free, the fused snapshot is read back
+    through foreach ops: the same update norms as a naive recount."""
+    if kernels.backend() != "triton":
+        pytest.skip("the fused norms path is the Triton path")
+    from syncless.monitors import norms as norms_module
+
+    calls = {"n": 0}
+    real = norms_module._FusedBucket._offsets
+
+    def fourth_refused(self, tensors, ring):
+        calls["n"] += 1  # pre-step: params, grads, snapshot; post-step: the 4th
+        return None if calls["n"] == 4 else real(self, tensors, ring)
+
+    monkeypatch.setattr(norms_module._FusedBucket, "_offsets", fourth_refused)
+    model = _demo()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    mon, ctx = _monitored(find_layers(model), opt, every=1)
+    with no_sync(cpu_as_device=True):
+        _backward(model, 0)
+    before = [[p.detach().clone() for p in block.parameters()] for block in model.layers]
+    with no_sync(cpu_as_device=True):
+        opt.step()
+    assert calls["n"] == 4
+    (readout,) = ctx.metrics.flush(0, wait=True)
+    out = mon.derive(readout)
+    for i, block in enumerate(model.layers):
+        p = sumsq(before[i])
+        u = sumsq([a - b for a, b in zip(block.parameters(), before[i], strict=True)])
+        got = out[f"monitors/layer_{i:02d}/update_ratio"]
+        assert got == pytest.approx(math.sqrt(u / p), rel=1e-4)
 
 
 def test_inactive_step_records_nothing_and_keeps_no_copy():
