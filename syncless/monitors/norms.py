@@ -4,10 +4,13 @@ No forward hooks: the monitor hooks the optimizer's step. On an active step the
 pre-hook reads every monitored parameter and gradient once with ``_foreach_norm`` (a
 few multi-tensor launches per dtype bucket, not one per tensor), folds the per-tensor
 norms into per-layer sums of squares with one ``index_add_`` and, with
-``update_ratio``, copies the parameters (``_foreach_copy_``); the post-hook subtracts
+``update_ratio``, snapshots the parameters (one copy); the post-hook subtracts
 the new values from the copy in place and takes its norms the same way. That is this
 monitor's physical floor (read every parameter and gradient, write and read one copy),
-which is why it defaults to every 10 steps.
+which is why it defaults to every 10 steps. On CUDA (Triton) the passes are one launch
+per quantity and dtype bucket (syncless.kernels.norms) instead of _foreach_norm's
+chunked launches: 10.08 -> 1.70 ms of host per active step on the H200 (bench/RESULTS.md,
+0fae693 and fda2592).
 
 Cross-rank: a replicated (data-parallel) parameter is identical on every rank, a sharded
 one (expert-parallel experts, tensor-parallel or ZeRO shards) is not. Sums of squares of
