@@ -271,3 +271,13 @@ def test_bad_launch_mode_is_rejected(monkeypatch):
     monkeypatch.setenv("SYNCLESS_MONITOR_LAUNCH", "sometimes")
     with pytest.raises(ValueError, match="SYNCLESS_MONITOR_LAUNCH"):
         ActivationsMonitor()
+
+
+@pytest.mark.parametrize("shape", [(24, 1024), (3, 7), (1, 1), (5, 2)])
+def test_row_medians_match_numpy(shape):
+    from syncless.monitors.activations import _row_medians
+
+    x = np.random.default_rng(1).normal(size=shape)
+    if shape[0] > 2:
+        x[1, 0] = np.nan  # a row with a NaN has a NaN median, as np.median says
+    np.testing.assert_array_equal(_row_medians(x.copy()), np.median(x, axis=1))
