@@ -122,13 +122,17 @@ class BlockTable:
         )
 
 
-def element_offsets(tensors: list[torch.Tensor]) -> list[int] | None:
-    """Element offsets of ``tensors`` from the first (all one dtype, contiguous), or
-    ``None`` if one is not contiguous or sits at a fraction of an element."""
-    base, size = tensors[0].data_ptr(), tensors[0].element_size()
+def element_offsets(tensors: list[torch.Tensor], sizes: list[int]) -> list[int] | None:
+    """Element offsets of ``tensors`` from the first, or ``None`` if one differs from
+    what the block table was built for (its element count ``sizes``, the first's dtype),
+    is not contiguous, or sits at a fraction of an element. Checked on every call: a
+    parameter swapped for another tensor, or a gradient of another dtype, must not be
+    read through a stale table."""
+    first = tensors[0]
+    base, size, dtype = first.data_ptr(), first.element_size(), first.dtype
     out = []
-    for t in tensors:
-        if not t.is_contiguous():
+    for t, n in zip(tensors, sizes, strict=True):
+        if t.numel() != n or t.dtype != dtype or not t.is_contiguous():
             return None
         delta = t.data_ptr() - base
         if delta % size:

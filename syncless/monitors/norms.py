@@ -96,7 +96,7 @@ class _FusedBucket:
     def _offsets(self, tensors: list[torch.Tensor], ring: int) -> torch.Tensor | None:
         from syncless.kernels.norms import element_offsets
 
-        offsets = element_offsets(tensors)
+        offsets = element_offsets(tensors, self.sizes)
         return None if offsets is None else self._rings[ring].upload(offsets)
 
     @hot_path

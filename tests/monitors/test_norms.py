@@ -118,6 +118,28 @@ def test_update_norm_survives_a_busy_offsets_buffer(monkeypatch):
         assert got == pytest.approx(math.sqrt(u / p), rel=1e-4)
 
 
+def test_a_parameter_swapped_after_attach_is_not_read_through_a_stale_table():
+    """``p.data = <another size>`` after attach: the fused block table no longer fits, the
+    bucket takes the foreach path, and the norms still match a naive recount."""
+    model = _demo()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    mon, ctx = _monitored(find_layers(model), opt, every=1, update_ratio=False)
+    w = model.layers[0].attn.q_proj.weight
+    w.data = torch.randn(w.shape[0] // 2, w.shape[1])  # fewer elements than at attach
+    model.layers[0].attn.q_proj.weight.grad = torch.randn_like(w.data)
+    grads = [[p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+              for p in block.parameters()] for block in model.layers]  # fmt: skip
+    before = [[p.detach().clone() for p in block.parameters()] for block in model.layers]
+    with no_sync(cpu_as_device=True):
+        opt.step()
+    (readout,) = ctx.metrics.flush(0, wait=True)
+    out = mon.derive(readout)
+    p0 = sumsq(before[0])
+    assert out["monitors/layer_00/param_norm"] == pytest.approx(math.sqrt(p0), rel=1e-5)
+    g0 = sumsq(grads[0])
+    assert out["monitors/layer_00/grad_norm"] == pytest.approx(math.sqrt(g0), rel=1e-5)
+
+
 def test_inactive_step_records_nothing_and_keeps_no_copy():
     model = _demo()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
