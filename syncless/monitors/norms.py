@@ -85,26 +85,23 @@ class _FusedBucket:
     """
 
     def __init__(self, tensors: list[nn.Parameter], groups: list[int], n_groups: int) -> None:
-        from syncless.kernels.norms import BlockTable
+        # Imported here, once: the module needs Triton, which a CPU install may lack.
+        from syncless.kernels import norms as fused
 
-        self.table = BlockTable.build(list(tensors), groups, n_groups)
+        self._fused = fused
+        self.table = fused.BlockTable.build(list(tensors), groups, n_groups)
         device = tensors[0].device
         self.sizes = [t.numel() for t in tensors]
-        self.group_ids = torch.tensor(groups, dtype=torch.int64).to(device)
         self._rings = (OffsetRing(device, len(tensors)), OffsetRing(device, len(tensors)))
 
     def _offsets(self, tensors: list[torch.Tensor], ring: int) -> torch.Tensor | None:
-        from syncless.kernels.norms import element_offsets
-
-        offsets = element_offsets(tensors, self.sizes)
+        offsets = self._fused.element_offsets(tensors, self.sizes)
         return None if offsets is None else self._rings[ring].upload(offsets)
 
     @hot_path
     def sumsq(self, tensors: list[torch.Tensor], ring: int) -> torch.Tensor | None:
-        from syncless.kernels.norms import group_sumsq as fused_sumsq
-
         offsets = self._offsets(tensors, ring)
-        return None if offsets is None else fused_sumsq(tensors[0], offsets, self.table)
+        return None if offsets is None else self._fused.group_sumsq(tensors[0], offsets, self.table)
 
     @hot_path
     def grad_sumsq(self, params: list[nn.Parameter]) -> torch.Tensor | None:
@@ -116,21 +113,19 @@ class _FusedBucket:
 
     @hot_path
     def snapshot(self, params: list[nn.Parameter]) -> torch.Tensor | None:
-        from syncless.kernels.norms import snapshot
-
         offsets = self._offsets(list(params), 0)
-        return None if offsets is None else snapshot(params[0], offsets, self.table)
+        return None if offsets is None else self._fused.snapshot(params[0], offsets, self.table)
 
     @hot_path
-    def diff_sumsq(self, params: list[nn.Parameter], snap: torch.Tensor) -> torch.Tensor:
-        from syncless.kernels.norms import group_diff_sumsq
-
+    def diff_sumsq(self, params: list[nn.Parameter], snap: torch.Tensor) -> torch.Tensor | None:
         offsets = self._offsets(list(params), 0)
-        if offsets is None:  # no free offsets buffer: the same sums through foreach ops
-            before = [s.view_as(p) for s, p in zip(snap.split(self.sizes), params, strict=True)]
-            torch._foreach_sub_(before, list(params))
-            return group_sumsq(foreach_norms(before), self.group_ids, self.table.n_groups)
-        return group_diff_sumsq(params[0], offsets, self.table, snap)
+        if offsets is None:
+            return None
+        return self._fused.group_diff_sumsq(params[0], offsets, self.table, snap)
+
+    def views(self, snap: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """The flat snapshot as one view per parameter, for the foreach path."""
+        return [s.view_as(p) for s, p in zip(snap.split(self.sizes), params, strict=True)]
 
 
 @dataclass
@@ -217,10 +212,12 @@ class NormsMonitor:
         self.model = model
         self._groups: list[_Group] = []
         self._buckets: list[list[nn.Parameter]] = []  # one per dtype, for foreach fast paths
-        self._group_of: list[int] = []  # group index of each parameter, bucket order
-        self._group_ids: torch.Tensor | None = None
+        self._bucket_groups: list[list[int]] = []  # each parameter's group, per bucket
+        self._bucket_ids: list[torch.Tensor] = []  # the same on the bucket's device
+        self._fused: list[_FusedBucket | None] = []  # the Triton path per bucket, if any
         self._zero: torch.Tensor | None = None
-        self._snapshot: list[list[torch.Tensor]] | None = None
+        # per bucket: the fused flat copy, or the foreach path's list of copies
+        self._snapshot: list[torch.Tensor | list[torch.Tensor]] | None = None
         self._own_handles: list = []
         self._scatter: dict[str, _Scatter] = {}
         self._buffer: torch.Tensor | None = None
@@ -275,7 +272,6 @@ class NormsMonitor:
             buckets.setdefault((p.device, p.dtype), []).append((p, g))
         self._buckets = [[p for p, _ in b] for b in buckets.values()]
         self._bucket_groups = [[g for _, g in b] for b in buckets.values()]
-        self._group_of = [g for b in buckets.values() for _, g in b]
         self.unmonitored_params = len(in_optimizer - monitored)
 
     def attach(self, ctx: MonitorContext) -> None:
@@ -285,7 +281,6 @@ class NormsMonitor:
         if not self._groups:
             return
         device = self._buckets[0][0].device
-        self._group_ids = torch.tensor(self._group_of, dtype=torch.int64, device=device)
         self._zero = torch.zeros((), dtype=torch.float32, device=device)
         quantities = QUANTITIES if self.update_ratio else QUANTITIES[:2]
         self._scatter = {q: _scatter(self._groups, q, buffer.device) for q in quantities}
@@ -297,7 +292,8 @@ class NormsMonitor:
             for bucket, groups in zip(self._buckets, self._bucket_groups, strict=True)
         ]
         self._bucket_ids = [
-            torch.tensor(groups, dtype=torch.int64).to(device) for groups in self._bucket_groups
+            torch.tensor(groups, dtype=torch.int64).to(bucket[0].device)
+            for bucket, groups in zip(self._buckets, self._bucket_groups, strict=True)
         ]
         self._own_handles = [
             self.optimizer.register_step_pre_hook(ctx.timed(self.name, self._pre_step)),
@@ -351,10 +347,13 @@ class NormsMonitor:
             total: torch.Tensor | None = None
             for i, (bucket, snap) in enumerate(zip(self._buckets, snapshot, strict=True)):
                 fused = self._fused[i]
+                u = None
                 if isinstance(snap, torch.Tensor):  # the fused snapshot: one flat copy
                     assert fused is not None
                     u = fused.diff_sumsq(bucket, snap)
-                else:
+                    if u is None:  # no free offsets buffer: the copy through views
+                        snap = fused.views(snap, bucket)
+                if u is None:
                     torch._foreach_sub_(snap, bucket)  # in place: before - after
                     u = group_sumsq(foreach_norms(snap), self._bucket_ids[i], len(self._groups))
                 total = u if total is None else total + u

@@ -3,6 +3,9 @@ replayable in a CUDA graph."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -26,15 +29,29 @@ pytestmark = [
 NAMES = ["attention", "moe", "activations", "nonfinite"]
 
 
+@contextmanager
+def _backend(name: str) -> Iterator[None]:
+    previous = kernels.backend()
+    kernels.set_backend(name)
+    try:
+        yield
+    finally:
+        kernels.set_backend(previous)
+
+
+def _model() -> MoETransformer:
+    """The same small demo model on the GPU for every backend and launch mode."""
+    torch.manual_seed(0)
+    model = MoETransformer(preset("tiny", n_layers=3, d_model=128, n_heads=4)).cuda()
+    init_weights(model, 0)
+    return model
+
+
 def _readout(
     backend: str, tokens: torch.Tensor, poison: bool, launch: str = "layer"
 ) -> dict[str, np.ndarray]:
-    previous = kernels.backend()
-    kernels.set_backend(backend)
-    try:
-        torch.manual_seed(0)
-        model = MoETransformer(preset("tiny", n_layers=3, d_model=128, n_heads=4)).cuda()
-        init_weights(model, 0)
+    with _backend(backend):
+        model = _model()
         if poison:  # NaN in the last layer's output: counted, and raised as the alert
             at = torch.tensor([3], device="cuda")
 
@@ -64,8 +81,6 @@ def _readout(
             assert launched == [0, 0, 2, 2, 2], launched
         (out,) = ctx.metrics.flush(0, wait=True)
         return out.values
-    finally:
-        kernels.set_backend(previous)
 
 
 @pytest.mark.parametrize("poison", [False, True])
@@ -137,12 +152,8 @@ def test_fused_record_replays_in_a_cuda_graph():
 def _norms_readout(backend: str) -> dict[str, np.ndarray]:
     from syncless.monitors.norms import NormsMonitor
 
-    previous = kernels.backend()
-    kernels.set_backend(backend)
-    try:
-        torch.manual_seed(0)
-        model = MoETransformer(preset("tiny", n_layers=3, d_model=128, n_heads=4)).cuda()
-        init_weights(model, 0)
+    with _backend(backend):
+        model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # a sync-free step
         ctx = MonitorContext(find_layers(model), MetricSet())
         mon = NormsMonitor(opt, every=1)
@@ -157,8 +168,6 @@ def _norms_readout(backend: str) -> dict[str, np.ndarray]:
             opt.step()
         (out,) = ctx.metrics.flush(0, wait=True)
         return out.values
-    finally:
-        kernels.set_backend(previous)
 
 
 def test_fused_norms_agree_with_the_foreach_path():
