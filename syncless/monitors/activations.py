@@ -14,10 +14,12 @@ the whole vector: no collective of its own on the hot path.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from syncless import kernels
 from syncless.hot_path import hot_path
@@ -56,6 +58,10 @@ class ActivationsMonitor:
         # One read shared with the nonfinite monitor (syncless.monitors.output_read).
         self._shared: LayerBatch | None = None
         self._partner: Any = None
+        # Per layer: the output callback and the hook handles that call it (attach);
+        # output_read replaces the handles with one hook shared with the partner.
+        self.output_records: dict[int, Callable[[torch.Tensor], bool | None]] = {}
+        self.output_handles: dict[int, list[RemovableHandle]] = {}
 
     def share(self, batch: LayerBatch, partner: Any) -> None:
         """Read each output for ``partner`` too, through ``batch``, on steps where it is
@@ -95,9 +101,10 @@ class ActivationsMonitor:
                 column = Column(slot, width=width, start=rank * width)
                 slot = _ShardedSlot(slot, rank * width, width)
             groups[site.index] = SlotGroup(ctx.metrics, [column])
-            ctx.handles += site.attach_output(
-                ctx.timed(self.name, self._make_output_hook(site.index, slot, groups))
-            )
+            record = self._make_output_hook(site.index, slot, groups)
+            self.output_records[site.index] = record
+            self.output_handles[site.index] = site.attach_output(ctx.timed(self.name, record))
+            ctx.handles += self.output_handles[site.index]
         if self.launch == "grouped" and self.channel_shard is None and self._layers:
             self._batch = LayerBatch(
                 self._layers,
@@ -111,21 +118,23 @@ class ActivationsMonitor:
 
     def _make_output_hook(self, layer: int, slot, groups: dict[int, SlotGroup]):
         @hot_path
-        def record(hidden: torch.Tensor) -> None:
+        def record(hidden: torch.Tensor) -> bool | None:
+            """True when the output was read for the partner monitor too."""
             if not self.active:
-                return
+                return None
             if kernels.use_triton(hidden):
                 if self._batch is not None:  # the site's hook detached ``hidden``
                     shared = self._shared
                     if shared is not None and self._partner.active:
                         shared.add(layer, hidden)  # read once for both monitors
-                    else:
-                        self._batch.add(layer, hidden)
-                    return
+                        return True
+                    self._batch.add(layer, hidden)
+                    return None
                 groups[layer].fold(kernels.channel_absmax_partials(hidden.detach()), 1)
-                return
+                return None
             dims = tuple(range(hidden.dim() - 1))
             slot.update(torch.linalg.vector_norm(hidden.detach(), ord=float("inf"), dim=dims))
+            return None
 
         return record
 

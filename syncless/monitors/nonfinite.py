@@ -14,9 +14,11 @@ code may use on the device (e.g. ``torch.where`` to skip an update) without a sy
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from syncless import kernels
 from syncless.hot_path import hot_path
@@ -40,6 +42,10 @@ class NonFiniteMonitor:
         # One read shared with the activations monitor (syncless.monitors.output_read).
         self._shared: LayerBatch | None = None
         self._partner: Any = None
+        # Per layer: the output callback and the hook handles that call it (attach);
+        # output_read replaces the handles with one hook shared with the partner.
+        self.output_records: dict[int, Callable[[torch.Tensor], None]] = {}
+        self.output_handles: dict[int, list[RemovableHandle]] = {}
 
     def share(self, batch: LayerBatch, partner: Any) -> None:
         """Leave the read to ``partner``'s hook, through ``batch``, on steps where it is
@@ -67,9 +73,10 @@ class NonFiniteMonitor:
         for site in ctx.model.layers:
             slot = self._slots[site.index]
             groups[site.index] = SlotGroup(ctx.metrics, [Column(slot, also_max=alert)])
-            ctx.handles += site.attach_output(
-                ctx.timed(self.name, self._make_output_hook(site.index, slot, groups))
-            )
+            record = self._make_output_hook(site.index, slot, groups)
+            self.output_records[site.index] = record
+            self.output_handles[site.index] = site.attach_output(ctx.timed(self.name, record))
+            ctx.handles += self.output_handles[site.index]
         if self.launch == "grouped" and self._layers:
             # The grouped fold sums each layer's column; the alert (largest per-layer
             # count of the forward) is a max over columns, which one fold cannot form
@@ -97,8 +104,8 @@ class NonFiniteMonitor:
             # isfinite().logical_not().sum() decomposes into 6 (abs, ne, eq, mul, ...).
             if kernels.use_triton(hidden):
                 if self._batch is not None:  # the site's hook detached ``hidden``
-                    if self._shared is not None and self._partner.active:
-                        return  # the activations hook reads this output for both
+                    # (sharing, output_read calls this only when the activations
+                    # callback did not read for both)
                     self._batch.add(layer, hidden)
                     return
                 groups[layer].fold(kernels.nonfinite_partials(hidden.detach()), 1)

@@ -2,20 +2,25 @@
 
 Both monitors read the same tensor, every block's output: apart, that is two hooks,
 two grouped kernels and two folds per forward, and two passes over every activation.
-When both are attached with grouped launches over the same layers, the activations
-hook holds the output for both, one kernel computes the per-channel maxima and the
-NaN/Inf counts in one pass (``kernels.output_stats_partials_grouped``) and one fold
-updates both monitors' slots; the alert is updated from the same partials, as the
-nonfinite monitor's own batch does.
+When both are attached with grouped launches over the same layers, one hook per block
+holds the output for both (each hook call is 11-18 us of the H200's host, so the
+second one was 0.4 ms per step on the demo's 24 layers), one kernel computes the
+per-channel maxima and the NaN/Inf counts in one pass
+(``kernels.output_stats_partials_grouped``) and one fold updates both monitors' slots;
+the alert is updated from the same partials, as the nonfinite monitor's own batch does.
 
 Each monitor keeps its own cadence: a step where only one of them is active uses that
-monitor's own batch. The per-layer fallback (see ``layer_batch``) runs both monitors'
-own per-layer launches.
+monitor's own batch, through its own callback. The per-layer fallback (see
+``layer_batch``) runs both monitors' own per-layer launches. The shared hook bills its
+host time to the active monitors (half each when both are).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+
+import torch
 
 from syncless import kernels
 from syncless.metrics.slot_group import Column, SlotGroup
@@ -65,4 +70,42 @@ def fuse_output_reads(ctx: MonitorContext, monitors: Sequence[Monitor]) -> Layer
     acts.share(shared, partner=nonf)
     nonf.share(shared, partner=acts)
     ctx.batches.append(shared)
+    for site in ctx.model.layers:
+        for handle in acts.output_handles.pop(site.index) + nonf.output_handles.pop(site.index):
+            handle.remove()
+            ctx.handles.remove(handle)
+        hook = _shared_hook(
+            ctx.host_ns, acts, nonf, acts.output_records[site.index],
+            nonf.output_records[site.index],
+        )  # fmt: skip
+        ctx.handles += site.attach_output(hook)
     return shared
+
+
+def _shared_hook(
+    ledger: dict[str, int],
+    acts: ActivationsMonitor,
+    nonf: NonFiniteMonitor,
+    acts_record: Callable[[torch.Tensor], bool | None],
+    nonf_record: Callable[[torch.Tensor], None],
+) -> Callable[[torch.Tensor], None]:
+    """One block's output callback for both monitors: the activations callback reads
+    for both when both are active and it takes the shared read; otherwise each
+    monitor's own callback runs."""
+    clock = time.perf_counter_ns
+
+    def record(hidden: torch.Tensor) -> None:
+        a, n = acts.active, nonf.active
+        if not (a or n):
+            return
+        start = clock()
+        if not (a and acts_record(hidden)) and n:
+            nonf_record(hidden)
+        ns = clock() - start
+        if a and n:
+            ledger[acts.name] += ns // 2
+            ledger[nonf.name] += ns - ns // 2
+        else:
+            ledger[acts.name if a else nonf.name] += ns
+
+    return record

@@ -104,6 +104,8 @@ def test_shared_output_read_matches_naive_recounts_and_keeps_each_cadence(kernel
     model = _model()
     acts, nonf = ActivationsMonitor(every=2), NonFiniteMonitor()
     handle = attach(model, [acts, nonf], lagged=False)
+    # one hook per block for both monitors, on both backends
+    assert [len(b._forward_hooks) for b in model.layers] == [1] * len(model.layers)
     tokens = torch.randint(0, 256, (2, 8))
     with no_sync(cpu_as_device=True):
         model(tokens)  # step 0: both active
