@@ -20,6 +20,7 @@ import triton.language as tl
 
 from syncless.hot_path import hot_path
 from syncless.kernels import interpreting
+from syncless.kernels.launch import cached_launch
 
 _BLOCK_M = 64
 _BLOCK_N = 64
@@ -104,6 +105,7 @@ def _qk_block(
 # Batch-dependent sizes and the rotating phase are not specialised: Triton would
 # compile a new variant (~100 ms, seen on the H200) for phase == 1 or a size that is a
 # multiple of 16 the first time one appears, in the middle of training.
+@cached_launch
 @triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW", "phase", "stride"])
 def _qk_stats_kernel(
     q_ptr, k_ptr, out_ptr,
@@ -126,6 +128,7 @@ def _qk_stats_kernel(
     )  # fmt: skip
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW"])
 def _qk_stats_grouped_kernel(
     q_ptr, k_ptr, offsets_ptr, out_ptr,

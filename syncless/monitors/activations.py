@@ -13,8 +13,7 @@ the whole vector: no collective of its own on the hot path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
