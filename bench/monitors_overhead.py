@@ -42,10 +42,18 @@ import time
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 from naive_monitors import NaiveMonitors  # bench/ is on sys.path as a script
 from results import append_result
-from train_step import ON, PERIOD, TrainStep, low_percentile_ratio, paired_estimates
+from train_step import (
+    ON,
+    PERIOD,
+    TrainStep,
+    bootstrap_ci,
+    low_percentile_ratio,
+    paired_estimates,
+)
 
 from syncless import kernels
 from syncless.demo.config import preset
@@ -86,6 +94,7 @@ def run_phase(
         on = (i - warmup) % PERIOD == ON
         if i == warmup and handle is not None:
             handle.hook_host_ns_total = dict.fromkeys(handle.hook_host_ns_total, 0)
+            handle.readout_host_ns_total = 0
             flush_s = 0.0
         if handle is not None:
             # A monitored step counts as one training step for the cadences: a monitor
@@ -123,6 +132,9 @@ def run_phase(
         # steps of the segment) and its flush. On a host-bound step that is its cost.
         hooks_ms = sum(handle.hook_host_ns_total.values()) / 1e6 / periods
         stats.setdefault("self_host_ms", {})[phase] = (hooks_ms, flush_s * 1e3 / periods)
+        # Off the training thread (attach's readout thread on CUDA): decode, derives and
+        # records, which take the GIL only where training lets it go.
+        stats.setdefault("readout_ms", {})[phase] = handle.readout_host_ns_total / 1e6 / periods
     if naive is not None:
         naive.close()
     return times
@@ -163,7 +175,7 @@ def main() -> None:
     gc.collect()
     gc.freeze()  # the setup's objects leave the collector's generations
     stats: dict = {}
-    rows, off_steps, dumped, means = [], [], {}, {}
+    rows, off_steps, dumped, means, cis = [], [], {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         run = Run(name="monitors-overhead", run_dir=Path(tmp) / "run")
         for phase in phases:
@@ -173,6 +185,7 @@ def main() -> None:
             q = statistics.quantiles(est, n=4)
             rows.append((phase, statistics.median(est), q[0], q[2], low_percentile_ratio(times)))
             means[phase] = statistics.fmean(est)
+            cis[phase] = (bootstrap_ci(est), bootstrap_ci(est, np.mean))
             off_steps += [t for i, t in enumerate(times) if i % PERIOD in (0, 1)]
         run.close()
     if args.dump:
@@ -199,11 +212,16 @@ def main() -> None:
 
     self_ms = stats.get("self_host_ms", {})
 
+    readout_ms = stats.get("readout_ms", {})
+
     def self_text(phase: str) -> str:
         if phase not in self_ms:
             return ""
         hooks, flush = self_ms[phase]
-        return f"{hooks:.2f}+{flush:.2f} ms ({(hooks + flush) / off_ms * 100:.2f}%)"
+        text = f"{hooks:.2f}+{flush:.2f} ms ({(hooks + flush) / off_ms * 100:.2f}%)"
+        if readout_ms.get(phase):
+            text += f", readout thread {readout_ms[phase]:.2f} ms"
+        return text
 
     print(f"{'phase':<14}{'overhead':>10}{'IQR':>20}{'p10 ratio':>11}{'HBM floor':>12}"
           "   self host: hooks+flush /monitored step")  # fmt: skip
@@ -211,6 +229,9 @@ def main() -> None:
         floor = f"{floor_pct(phase):.3f}%" if phase != "naive" else ""
         print(f"{phase:<14}{pct:>+9.2f}%{lo:>+11.2f}%..{hi:+.2f}%{p10:>+10.2f}%{floor:>12}"
               f"   {self_text(phase)}")  # fmt: skip
+    for phase, ((lo, hi), (mlo, mhi)) in cis.items():
+        print(f"{phase}: 95% bootstrap CI of the median {lo:+.2f}..{hi:+.2f}%, of the mean "
+              f"{means[phase]:+.2f}% {mlo:+.2f}..{mhi:+.2f}%")  # fmt: skip
     if stack_mean is not None:
         print(f"stack at default cadences: mean of per-step estimates {stack_mean:+.2f}%")
     syncs = stats.get("monitor_syncs", 0)
@@ -219,7 +240,9 @@ def main() -> None:
 
     if not args.no_record:
         table = "; ".join(
-            f"{p} {pct:+.2f}% (IQR {lo:+.2f}..{hi:+.2f}, p10 ratio {p10:+.2f}%, floor "
+            f"{p} {pct:+.2f}% (95% CI {cis[p][0][0]:+.2f}..{cis[p][0][1]:+.2f}, mean "
+            f"{means[p]:+.2f}% CI {cis[p][1][0]:+.2f}..{cis[p][1][1]:+.2f}, "
+            f"IQR {lo:+.2f}..{hi:+.2f}, p10 ratio {p10:+.2f}%, floor "
             f"{floor_pct(p):.3f}%{', self host ' + self_text(p) if p in self_ms else ''})"
             for p, pct, lo, hi, p10 in rows
         )

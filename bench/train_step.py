@@ -78,6 +78,19 @@ def paired_estimates(times: list[float]) -> list[float]:
     return out
 
 
+def bootstrap_ci(
+    estimates: list[float], stat=np.median, level: float = 0.95, n: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile-bootstrap confidence interval of ``stat`` over per-period estimates:
+    how well a run resolves an overhead (a 1% target needs an interval narrower than
+    that)."""
+    values = np.asarray(estimates, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    stats = stat(values[rng.integers(0, len(values), (n, len(values)))], axis=1)
+    tail = (1 - level) / 2 * 100
+    return float(np.percentile(stats, tail)), float(np.percentile(stats, 100 - tail))
+
+
 def low_percentile_ratio(times: list[float], q: float = 10.0) -> float:
     """Cost (%) from the q-th percentiles of the ON pairs and the off pairs.
 
