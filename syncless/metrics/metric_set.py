@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +74,9 @@ class MetricSet:
         self.flushes = 0
         self.d2h_copies = 0
         self.collectives = 0
+        # Called at the start of every flush, on its thread: recorders that batch
+        # their device work up to the flush (syncless.monitors.layer_batch) finish it.
+        self.before_flush: list[Callable[[], None]] = []
 
     # -- declaration ---------------------------------------------------------------
 
@@ -208,6 +212,8 @@ class MetricSet:
         whose buffer this flush reuses (copied before the new copy overwrites it)."""
         if self.buffer is None:
             raise RuntimeError("flush() before allocate()")
+        for finish in self.before_flush:
+            finish()
         buf = self.buffer
         ready: list[Landed] = []
         if len(self._pending) == len(self._host):  # this turn's buffer is still unread

@@ -20,7 +20,10 @@ class Slot:
     MAX region (max metrics, and min metrics stored negated).
     """
 
-    __slots__ = ("_count", "_gate", "_gate_on", "_max", "_neg_inf", "_sum", "offsets", "spec")
+    __slots__ = (
+        "_buffer", "_count", "_gate", "_gate_on", "_max", "_neg_inf", "_pair", "_sum",
+        "offsets", "spec",
+    )  # fmt: skip
 
     def __init__(self, spec: MetricSpec) -> None:
         self.spec = spec
@@ -29,6 +32,8 @@ class Slot:
         self._max: torch.Tensor | None = None
         # (sum, count, max) start indices in the packed buffer, None where absent
         self.offsets: tuple[int | None, int | None, int | None] | None = None
+        self._buffer: torch.Tensor | None = None
+        self._pair: torch.Tensor | None = None  # [sum, count] buffer indices, for add_ones
 
     def bind(
         self,
@@ -41,6 +46,7 @@ class Slot:
         n = self.spec.size
         s, c, m = offsets
         self.offsets = offsets
+        self._buffer = buffer
         self._sum = buffer[s : s + n] if s is not None else None
         self._count = buffer[c : c + n] if c is not None else None
         self._max = buffer[m : m + n] if m is not None else None
@@ -65,6 +71,23 @@ class Slot:
             self._count.addcmul_(count, self._gate)
         else:
             self._count.add_(self._gate, alpha=count)
+
+    def prepare_add_ones(self) -> None:
+        """Cold path (attach time): the device index ``add_ones`` writes through."""
+        s, c, _ = self.offsets or (None, None, None)
+        if self._buffer is None or s is None or c is None or self.spec.size != 1:
+            raise TypeError(
+                f"add_ones needs an allocated scalar mean/sum metric; {self.spec.key!r} is "
+                f"{self.spec.agg} of size {self.spec.size}"
+            )
+        self._pair = torch.tensor([s, c], device=self._buffer.device)
+
+    def add_ones(self, n: float) -> None:
+        """``n`` samples of value 1 (a fraction whose parts grow together): sum and
+        count advance by ``n`` in one launch, where ``add`` takes two."""
+        if self._pair is None or self._buffer is None:
+            raise RuntimeError(f"{self.spec.key!r}: call prepare_add_ones() at attach first")
+        self._buffer.index_add_(0, self._pair, self._gate.expand(2), alpha=n)
 
     def update(self, value: torch.Tensor) -> None:
         """Max and min metrics: fold ``value`` into the running extreme."""

@@ -42,6 +42,7 @@ class SlotGroup:
     def __init__(self, metrics: MetricSet, columns: list[Column]) -> None:
         if metrics.buffer is None:
             raise RuntimeError("SlotGroup needs an allocated MetricSet: allocate() first")
+        self.metrics = metrics
         self.buffer = metrics.buffer
         self.gate = metrics.gate
         sums: list[int] = []

@@ -128,11 +128,14 @@ class AttentionMonitor:
         def grouped(q: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor, n: int):
             return kernels.qk_stats_partials_grouped(q, k, offsets, n, scale, causal, window)
 
-        def rows_used(partials: torch.Tensor) -> None:
+        n_layers = len(recorders)
+        frac.prepare_add_ones()
+
+        def rows_used(partials: torch.Tensor, rows: float) -> None:
             # Exact mode: every row seen is used, so the shared fraction gets the rows
-            # of all layers as both its sum and its count (one update, not L racing).
-            used = partials[:, 2 * n_heads :: 2 * n_heads + 1].sum()
-            frac.add(used, count=used)
+            # of all layers as both its sum and its count: one update, not L racing,
+            # and one launch (the rows are host shapes, not read from the partials).
+            frac.add_ones(rows * n_layers)
 
         # Each layer's 2H + 1 columns: its max logits and entropy sums are folded; its
         # rows-used column is not (the shared fraction is updated once, above).
@@ -152,6 +155,7 @@ class AttentionMonitor:
             after=rows_used,
             samples=lambda q, k: q.shape[0] * q.shape[2],
             tensors=2,
+            defer_fold=True,  # nothing reads these slots before the flush
         )
 
     def derive(self, readout: Readout) -> dict[str, float]:

@@ -86,8 +86,6 @@ class MonitorHandle:
         """End of training step ``step``: flush, emit, and arm the next step."""
         start = time.perf_counter()
         any_active = any(m.active for m in self.monitors)
-        for batch in self.ctx.batches:  # before the flush: their folds are this step's
-            batch.launch()
         if any_active:
             self._take_hook_time(step)
         wait = not self.lagged if wait is None else wait
@@ -215,7 +213,7 @@ class MonitorHandle:
             return StepRecords()
         self._closed = True
         for batch in self.ctx.batches:  # reads of a step that was never flushed
-            batch.launch()
+            batch.finish()
         records = self._collect(block=True)
         if self._executor is not None:
             self._executor.shutdown(wait=True)

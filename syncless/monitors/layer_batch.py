@@ -19,6 +19,14 @@ recompute, a second forward), what is pending at flush, tensors whose shape, dty
 strides differ between layers, or no free offset buffer (``OffsetRing``).
 
 ``launch="layer"`` or ``SYNCLESS_MONITOR_LAUNCH=layer`` restores per-layer launches.
+
+``defer_fold=True`` leaves the fold (and ``after``) of a grouped launch to
+``finish()``, which the handle calls at the flush: the grouped kernel still reads the
+tensors in the forward, but the fold's launches move from the end of the forward,
+where a host-bound step's GPU is idle and a launch costs the H200's host 93 us, to the
+flush, where the GPU is still busy with backward and the optimizer and a launch costs
+37-42 us (bench/RESULTS.md). A monitor whose slots training may read during the step
+(the nonfinite alert) folds at once.
 """
 
 from __future__ import annotations
@@ -63,8 +71,9 @@ class LayerBatch:
         accepts: ``(*first layer's views) -> bool``: False rules the grouped kernel out
             for these shapes (e.g. a sampled attention shape): every layer takes
             ``single``.
-        after: called with the grouped partials after their fold (e.g. a value over
-            layers that the fold cannot form, such as a max of per-layer sums).
+        after: called with the grouped partials and their ``samples`` after their fold
+            (e.g. a value over layers that the fold cannot form, such as a max of
+            per-layer sums).
         samples: the samples one layer's read counts for (the fold's ``n_samples``), from
             its views; every layer's views have the same shapes.
     """
@@ -78,9 +87,10 @@ class LayerBatch:
         single: Callable[..., None],
         device: torch.device,
         accepts: Callable[..., bool] = lambda *views: True,
-        after: Callable[[torch.Tensor], None] | None = None,
+        after: Callable[[torch.Tensor, float], None] | None = None,
         samples: Callable[..., float] = lambda *views: 1.0,
         tensors: int = 1,
+        defer_fold: bool = False,
     ) -> None:
         self.layers = layers
         self.group = group
@@ -89,6 +99,10 @@ class LayerBatch:
         self._offsets = OffsetRing(device, tensors * len(layers))
         self._pending: dict[int, tuple[torch.Tensor, ...]] = {}  # raw, as hooks gave them
         self._n_layers = len(layers)
+        self._defer = defer_fold
+        self._unfolded: list[tuple[torch.Tensor, float]] = []  # (partials, samples)
+        # What is pending or unfolded at a flush is this step's: finish it first.
+        group.metrics.before_flush.append(self.finish)
         self.grouped_launches = 0
         self.single_launches = 0
 
@@ -134,10 +148,25 @@ class LayerBatch:
                 self.single_launches += 1
             return
         partials = self._grouped(*first, table, self._n_layers)
-        self.group.fold(partials, self._samples(*first))
-        if self._after is not None:
-            self._after(partials)
         self.grouped_launches += 1
+        if self._defer:
+            self._unfolded.append((partials, self._samples(*first)))
+        else:
+            self._fold(partials, self._samples(*first))
+
+    @hot_path
+    def finish(self) -> None:
+        """Launch what is pending, then fold every deferred grouped result (every
+        ``MetricSet.flush`` calls this before its copy)."""
+        self.launch()
+        unfolded, self._unfolded = self._unfolded, []
+        for partials, samples in unfolded:
+            self._fold(partials, samples)
+
+    def _fold(self, partials: torch.Tensor, samples: float) -> None:
+        self.group.fold(partials, samples)
+        if self._after is not None:
+            self._after(partials, samples)
 
     def _offsets_of(
         self,

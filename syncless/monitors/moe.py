@@ -273,6 +273,7 @@ class MoEMonitor:
                 single=single,
                 device=buffer.device,
                 samples=lambda logits: logits.shape[0],
+                defer_fold=True,  # nothing reads these slots before the flush
             )
             ctx.batches.append(self._batch)
 

@@ -88,7 +88,7 @@ class NonFiniteMonitor:
                 grouped=kernels.nonfinite_partials_grouped,
                 single=lambda layer, x: groups[layer].fold(kernels.nonfinite_partials(x), 1),
                 device=ctx.metrics.buffer.device,  # type: ignore[union-attr]
-                after=lambda partials: alert.update(partials.sum(0).max()),
+                after=lambda partials, samples: alert.update(partials.sum(0).max()),
             )
             ctx.batches.append(self._batch)
 

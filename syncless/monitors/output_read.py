@@ -50,7 +50,7 @@ def fuse_output_reads(ctx: MonitorContext, monitors: Sequence[Monitor]) -> Layer
         own_acts._single(layer, x)
         own_nonf._single(layer, x)
 
-    def alert_update(partials) -> None:
+    def alert_update(partials, samples) -> None:
         # Every layer's count column: the largest per-layer count of this forward.
         alert.update(partials[:, width :: width + 1].sum(0).max())
 
