@@ -1,11 +1,17 @@
 """Per-head max QK logit and softmax row entropy in one pass, never materialising logits.
 
 One program per (block of ``BLOCK_M`` query rows, batch x head) walks the keys in blocks
-of ``BLOCK_N`` like a flash-attention forward without the ``P @ V``: per row it keeps the
-running max ``m``, ``S = Σ exp(l - m)`` and ``T = Σ exp(l - m) (l - m)``, rescaled when
-``m`` grows (``T' = α (T + (m - m') S)``, ``α = exp(m - m')``), so the entropy is
-``ln S - T / S`` at the end. Causal (bottom-right aligned) and sliding-window masks are
-applied per block and key blocks nobody may see are skipped.
+of ``BLOCK_N`` like a flash-attention forward without the ``P @ V``. It works in base 2
+(logits times ``scale * log2 e``, ``exp2``): per row it keeps the running max ``m``,
+``S = Σ 2^(l - m)`` and ``T = Σ 2^(l - m) (l - m)``, rescaled when ``m`` grows
+(``T' = α (T + (m - m') S)``, ``α = 2^(m - m')``). ``S`` is the natural-base sum and
+``T`` is ``log2 e`` times the natural-base one, so at the end the max logit is
+``m ln 2`` and the entropy in nats ``ln S - ln 2 · T / S``.
+
+Key blocks that every row of the block may see in full (before the causal diagonal,
+inside ``K_LEN``, no sliding window) are updated without masks; only the rest (the
+diagonal, a ragged tail, every block under a sliding window) pays for them. Key blocks
+nobody may see are skipped.
 
 Partials ``[B * n_row_blocks, 2H + 1]``: per-head max logit, per-head entropy sum (times
 ``weight``, the sampled mode's Horvitz-Thompson factor) and, in the last column, the
@@ -13,6 +19,9 @@ number of query rows the block used (written by head 0 only).
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import torch
 import triton
@@ -22,8 +31,55 @@ from syncless.hot_path import hot_path
 from syncless.kernels import interpreting
 from syncless.kernels.launch import cached_launch
 
-_BLOCK_M = 64
-_BLOCK_N = 64
+# H200, 24 layers of B=8, H=16, L=1024, D=64, causal, bf16 in one grouped launch (the
+# demo's "large" shape): 2.80 ms at 64 x 64 with 4 warps, 2.45 ms at 128 x 32 with 8
+# warps (a config sweep, before base 2 and the unmasked blocks; with them: not yet
+# measured on the H200).
+_BLOCK_M = 128
+_BLOCK_N = 32
+_NUM_WARPS = 8
+_LOG2E = math.log2(math.e)
+_LN2: tl.constexpr = tl.constexpr(math.log(2.0))
+
+
+class _Options:
+    """``fn[grid](*args)`` launched with fixed Triton options (``num_warps``), so that
+    ``cached_launch`` sees only the kernel's own arguments: one keyword more and every
+    launch takes ``JITFunction.run`` (launch.py). Other attributes are ``fn``'s; the
+    interpreter ignores the options."""
+
+    def __init__(self, fn: Any, options: dict[str, Any]) -> None:
+        self.fn = fn
+        self.options = options
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fn, name)
+
+    def __getitem__(self, grid: Any) -> Any:
+        launch = self.fn[grid]
+        return lambda *args, **kwargs: launch(*args, **kwargs, **self.options)
+
+
+def _launch_options(**options: Any) -> Any:
+    """Decorate a ``@triton.jit`` kernel, under ``@cached_launch``: see ``_Options``."""
+    return lambda fn: _Options(fn, options)
+
+
+@triton.jit
+def _k_logits(
+    q, k_base, start, K_LEN, skn, skd, d, d_ok, scale2,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, TAIL: tl.constexpr,
+):  # fmt: skip
+    """Base-2 logits ``[BLOCK_M, BLOCK_N]`` of the keys from ``start``; ``TAIL``: some
+    may lie at or past ``K_LEN`` (loaded as zeros)."""
+    n = start + tl.arange(0, BLOCK_N)
+    mask = d_ok[None, :]
+    if TAIL:
+        mask = mask & (n < K_LEN)[:, None]
+    kb = tl.load(k_base + n[:, None].to(tl.int64) * skn + d[None, :] * skd, mask=mask, other=0.0)
+    if UPCAST:
+        kb = kb.to(tl.float32)
+    return tl.dot(q, tl.trans(kb), input_precision=PRECISION) * scale2
 
 
 @triton.jit
@@ -31,12 +87,13 @@ def _qk_block(
     q_ptr, k_ptr, out_row, rb, b, h,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd,
     H, GROUP, N_ROWS, Q_LEN, K_LEN, WINDOW,
-    scale, weight, phase, stride,
+    scale2, weight, phase, stride,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Row block ``rb`` of sequence ``b``, head ``h``: writes its partials at ``out_row``."""
+    """Row block ``rb`` of sequence ``b``, head ``h``: writes its partials at ``out_row``.
+    ``scale2`` is the softmax scale times ``log2 e``."""
     kvh = h // GROUP
     j = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = j < N_ROWS
@@ -44,6 +101,7 @@ def _qk_block(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q_base = q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+    # Rows past N_ROWS load zeros: finite logits in the unmasked blocks, dropped at the end.
     q = tl.load(
         q_base + qpos[:, None].to(tl.int64) * sqm + d[None, :] * sqd,
         mask=row_ok[:, None] & d_ok[None, :],
@@ -55,30 +113,46 @@ def _qk_block(
     kpos = qpos + (K_LEN - Q_LEN)
     first_row = rb * BLOCK_M
     last_row = tl.minimum(first_row + BLOCK_M, N_ROWS) - 1
+    # Keys [lo, mid) are allowed for every row of the block (no masks there), [mid, hi)
+    # for some.
     hi = K_LEN
+    mid = K_LEN
     if CAUSAL:
         hi = tl.minimum(K_LEN, phase + stride * last_row + (K_LEN - Q_LEN) + 1)
+        # Up to the first row's own position; at least 0 (more queries than keys), so
+        # no block starts at a negative key.
+        mid = tl.maximum(0, tl.minimum(K_LEN, phase + stride * first_row + (K_LEN - Q_LEN) + 1))
+    mid = (mid // BLOCK_N) * BLOCK_N
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(0, phase + stride * first_row + (K_LEN - Q_LEN) - WINDOW + 1)
         lo = (lo // BLOCK_N) * BLOCK_N
+        # Every block masked: only a window wider than about BLOCK_M + BLOCK_N keys
+        # leaves a whole block inside it for every row.
+        mid = lo
 
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     s_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     t_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo, mid, BLOCK_N):
+        logits = _k_logits(q, k_base, start, K_LEN, skn, skd, d, d_ok, scale2,
+                           PRECISION, UPCAST, BLOCK_N, False)  # fmt: skip
+        # Every logit is finite, so is m_new; only the first block's m = -inf with
+        # S = 0 needs the (per-row, cheap) guard against -inf * 0.
+        m_new = tl.maximum(m, tl.max(logits, axis=1))
+        alpha = tl.exp2(m - m_new)
+        shift = tl.where(s_sum > 0, (m - m_new) * s_sum, 0.0)
+        centred = logits - m_new[:, None]
+        p = tl.exp2(centred)
+        t_sum = alpha * (t_sum + shift) + tl.sum(p * centred, axis=1)
+        s_sum = alpha * s_sum + tl.sum(p, axis=1)
+        m = m_new
+    for start in range(mid, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < K_LEN
-        kb = tl.load(
-            k_base + n[:, None].to(tl.int64) * skn + d[None, :] * skd,
-            mask=n_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            kb = kb.to(tl.float32)
-        logits = tl.dot(q, tl.trans(kb), input_precision=PRECISION) * scale
-        allowed = row_ok[:, None] & n_ok[None, :]
+        logits = _k_logits(q, k_base, start, K_LEN, skn, skd, d, d_ok, scale2,
+                           PRECISION, UPCAST, BLOCK_N, True)  # fmt: skip
+        allowed = row_ok[:, None] & (n < K_LEN)[None, :]
         if CAUSAL:
             allowed = allowed & (n[None, :] <= kpos[:, None])
         if HAS_WINDOW:
@@ -88,16 +162,16 @@ def _qk_block(
         # A row that has seen no allowed key yet keeps m = -inf: shift by 0 instead, so
         # no -inf - -inf = nan appears; its S and T stay 0.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_ref)
+        alpha = tl.exp2(m - m_ref)
         shift = tl.where(s_sum > 0, (m - m_ref) * s_sum, 0.0)
-        p = tl.exp(logits - m_ref[:, None])
-        centred = tl.where(allowed, p * (logits - m_ref[:, None]), 0.0)
-        t_sum = alpha * (t_sum + shift) + tl.sum(centred, axis=1)
+        centred = logits - m_ref[:, None]
+        p = tl.exp2(centred)
+        t_sum = alpha * (t_sum + shift) + tl.sum(tl.where(allowed, p * centred, 0.0), axis=1)
         s_sum = alpha * s_sum + tl.sum(p, axis=1)
         m = m_new
 
-    entropy = tl.where(row_ok, tl.log(s_sum) - t_sum / s_sum, 0.0)
-    tl.store(out_row + h, tl.max(tl.where(row_ok, m, float("-inf")), axis=0))
+    entropy = tl.where(row_ok, tl.log(s_sum) - _LN2 * t_sum / s_sum, 0.0)
+    tl.store(out_row + h, tl.max(tl.where(row_ok, m, float("-inf")), axis=0) * _LN2)
     tl.store(out_row + H + h, tl.sum(entropy, axis=0) * weight)
     tl.store(out_row + 2 * H, tl.sum(row_ok.to(tl.float32), axis=0), mask=h == 0)
 
@@ -106,12 +180,13 @@ def _qk_block(
 # compile a new variant (~100 ms, seen on the H200) for phase == 1 or a size that is a
 # multiple of 16 the first time one appears, in the middle of training.
 @cached_launch
+@_launch_options(num_warps=_NUM_WARPS)
 @triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW", "phase", "stride"])
 def _qk_stats_kernel(
     q_ptr, k_ptr, out_ptr,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd,
     H, GROUP, N_ROWS, Q_LEN, K_LEN, N_RB, WINDOW,
-    scale, weight, phase, stride,
+    scale2, weight, phase, stride,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -123,18 +198,19 @@ def _qk_stats_kernel(
     out_row = out_ptr + (b * N_RB + rb).to(tl.int64) * (2 * H + 1)
     _qk_block(
         q_ptr, k_ptr, out_row, rb, b, h, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
-        H, GROUP, N_ROWS, Q_LEN, K_LEN, WINDOW, scale, weight, phase, stride,
+        H, GROUP, N_ROWS, Q_LEN, K_LEN, WINDOW, scale2, weight, phase, stride,
         HEAD_DIM, CAUSAL, HAS_WINDOW, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip
 
 
 @cached_launch
+@_launch_options(num_warps=_NUM_WARPS)
 @triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW"])
 def _qk_stats_grouped_kernel(
     q_ptr, k_ptr, offsets_ptr, out_ptr,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd,
     H, GROUP, N_ROWS, Q_LEN, K_LEN, N_RB, WINDOW, L, OUT_STRIDE,
-    scale,
+    scale2,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -152,7 +228,7 @@ def _qk_stats_grouped_kernel(
     out_row = out_ptr + (b * N_RB + rb).to(tl.int64) * OUT_STRIDE + layer.to(tl.int64) * (2 * H + 1)
     _qk_block(
         q_base, k_base, out_row, rb, b, h, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
-        H, GROUP, N_ROWS, Q_LEN, K_LEN, WINDOW, scale, 1.0, 0, 1,
+        H, GROUP, N_ROWS, Q_LEN, K_LEN, WINDOW, scale2, 1.0, 0, 1,
         HEAD_DIM, CAUSAL, HAS_WINDOW, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip
 
@@ -187,7 +263,7 @@ def qk_stats_partials(
     _qk_stats_kernel[(n_rb, b * h)](
         q, k, out, *q.stride(), *k.stride(),
         h, h // hkv, n_rows, q_len, k_len, n_rb, window or 0,
-        float(scale), float(weight), phase, stride,
+        float(scale) * _LOG2E, float(weight), phase, stride,
         HEAD_DIM=head_dim, CAUSAL=causal, HAS_WINDOW=window is not None,
         PRECISION=precision, UPCAST=upcast, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -221,7 +297,7 @@ def qk_stats_partials_grouped(
     _qk_stats_grouped_kernel[(n_rb, b * h, n_layers)](
         q, k, offsets, out, *q.stride(), *k.stride(),
         h, h // hkv, q_len, q_len, k_len, n_rb, window or 0, n_layers, n_layers * width,
-        float(scale),
+        float(scale) * _LOG2E,
         HEAD_DIM=head_dim, CAUSAL=causal, HAS_WINDOW=window is not None,
         PRECISION=precision, UPCAST=upcast, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
