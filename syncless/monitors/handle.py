@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -34,11 +35,14 @@ class MonitorHandle:
     H200 host's 2.9 ms per flush on the demo's large schema, 1,555 records) to a
     readout thread: ``step`` then copies the landed values out of the pinned ring and
     returns at once, and a step's records reach the sinks at a later ``step`` (or
-    ``close``), in order. The thread holds the GIL while it works, so on a host that
-    is never idle it still takes that time from training; but training releases the
-    GIL for its long waits (``backward`` runs in autograd's own thread, every read-back
-    waits for the device), and the readout fills those instead of the step's critical
-    path. Its time is billed as ``monitors/self/readout_host_ms``.
+    ``close``), in order. The thread needs the GIL for that work, and a host-bound
+    forward holds it except across its read-backs: a thread that took it there would
+    hand it back only after the interpreter's switch interval (5 ms), so the readout
+    would land on the step's critical path all the same. It waits instead for the
+    backward to start (a gradient hook on the last block's output), when training
+    leaves the GIL to autograd's own thread for the whole backward, or for the next
+    ``step`` when no backward comes. Its time is billed as
+    ``monitors/self/readout_host_ms``.
     """
 
     def __init__(
@@ -74,6 +78,8 @@ class MonitorHandle:
             else None
         )
         self._inflight: deque[Future[tuple[Readout, StepRecords]]] = deque()
+        # Set when a backward starts (or at the next step): the readout thread may run.
+        self._go = threading.Event()
         self.readout_errors = 0
         self.readout_host_ns_total = 0  # the readout thread's, when ``background``
         self._set_cadence(0)
@@ -94,6 +100,13 @@ class MonitorHandle:
             readouts = self.metrics.flush(step, wait=wait) if any_active else []
             records.extend(self._records(readouts))
         else:
+            # Jobs submitted a step ago and still waiting: no backward came; go now.
+            # Otherwise a signal from this step's backward is stale: the new job waits
+            # for the next one.
+            if self._inflight:
+                self._go.set()
+            else:
+                self._go.clear()
             for landed in self.metrics.flush_landed(step) if any_active else []:
                 job = self._executor.submit(self._read_landed, landed, *self._own_inputs(step))
                 self._inflight.append(job)
@@ -102,6 +115,10 @@ class MonitorHandle:
         self._host_ms = (time.perf_counter() - start) * 1e3
         self._publish(records)
         return records
+
+    def backward_started(self, grad: torch.Tensor) -> None:
+        """Gradient hook (autograd's thread): the readout thread may run now."""
+        self._go.set()
 
     def _own_inputs(self, step: int) -> tuple[dict[str, int] | None, float]:
         """What a step's self-cost records need from the training thread: its hooks'
@@ -113,6 +130,8 @@ class MonitorHandle:
         self, landed: Landed, hooks: dict[str, int] | None, host_ms: float
     ) -> tuple[Readout, StepRecords]:
         """The readout thread's job: decode, derive, records."""
+        self._go.wait()
+        self._go.clear()
         start = time.perf_counter_ns()
         readout = self.metrics.decode(landed)
         records = self._readout_records(readout, hooks, host_ms, start)
@@ -124,6 +143,8 @@ class MonitorHandle:
         ``block``). A failed job is counted and reported, not raised (unless strict)."""
         records = StepRecords()
         while self._inflight and (block or self._inflight[0].done()):
+            if block:
+                self._go.set()  # each waiting job takes one signal
             try:
                 readout, done = self._inflight.popleft().result()
             except Exception as e:
@@ -216,6 +237,7 @@ class MonitorHandle:
             batch.finish()
         records = self._collect(block=True)
         if self._executor is not None:
+            self._go.set()
             self._executor.shutdown(wait=True)
         records.extend(self._records(self.metrics.drain()))
         self._publish(records)
@@ -272,6 +294,24 @@ def attach(
     is_main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     if background is None:
         background = lagged and torch.device(device).type == "cuda"
-    return MonitorHandle(
+    handle = MonitorHandle(
         monitors, ctx, run, lagged, emit=is_main, strict=strict, background=background
     )
+    if background and model_map.layers:
+        hook = _backward_signal(handle)
+        ctx.handles.append(model_map.layers[-1].block.register_forward_hook(hook))
+    return handle
+
+
+def _backward_signal(handle: MonitorHandle):
+    """A forward hook on the last block: a gradient hook on its output tells the
+    readout thread when the backward starts (one hook call and one tensor hook per
+    forward)."""
+
+    def hook(module: nn.Module, args: object, output: object) -> None:
+        # The output's Python type, not a tensor value: a structural branch.
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(handle.backward_started)
+
+    return hook

@@ -111,3 +111,29 @@ def test_background_defaults_to_cuda_only():
     handle = attach(model, [ActivationsMonitor()])
     assert handle._executor is None  # CPU: records come back from the step that reads them
     handle.close()
+
+
+def test_the_readout_waits_for_the_next_backward():
+    """A readout submitted at a flush runs once the next backward starts (the GIL is
+    autograd's then), not during the next forward."""
+    model = _model()
+    monitor = _ThreadNoting()
+    handle = attach(model, [monitor], background=True)
+    tokens = torch.randint(0, 256, (2, 16))
+
+    def train_step():
+        logits, balance = model(tokens)
+        (logits.square().mean() + balance).backward()
+
+    with no_sync(cpu_as_device=True):
+        train_step()
+        handle.step(0)
+        train_step()
+        handle.step(1)  # step 0's readout (lagged) is queued now, waiting
+        (job,) = handle._inflight
+        logits, balance = model(tokens)  # step 2's forward: still waiting
+        assert not job.done() and monitor.derive_threads == []
+        (logits.square().mean() + balance).backward()  # the signal
+    readout, _ = job.result(timeout=10)
+    assert readout.step == 0 and monitor.derive_threads == ["syncless-monitors-readout_0"]
+    handle.close()
