@@ -33,8 +33,8 @@ from syncless.kernels.launch import cached_launch
 
 # H200, 24 layers of B=8, H=16, L=1024, D=64, causal, bf16 in one grouped launch (the
 # demo's "large" shape): 2.80 ms at 64 x 64 with 4 warps, 2.45 ms at 128 x 32 with 8
-# warps (a config sweep, before base 2 and the unmasked blocks; with them: not yet
-# measured on the H200).
+# warps (a config sweep), 1.51 ms with base 2 and the unmasked blocks as well
+# (bench/RESULTS.md, monitor_kernels, fb3e2cf).
 _BLOCK_M = 128
 _BLOCK_N = 32
 _NUM_WARPS = 8

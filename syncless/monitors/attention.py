@@ -53,8 +53,9 @@ class AttentionMonitor:
     softmax); above it the query rows are sampled with a stride (docs/monitors/attention.md).
     ``fused_max_elements``: the same bound for the fused Triton kernel, which never
     materialises logits, so it bounds time, not memory: at the default the demo's
-    ``large`` preset (``2**27`` logits per layer) is exact, 2.80 ms of the H200 for its
-    24 layers against 1.82 ms sampling every 8th row (bench/RESULTS.md, monitor_kernels).
+    ``large`` preset (``2**27`` logits per layer) is exact, 1.51 ms of the H200 for its
+    24 layers against 1.09 ms sampling every 8th row (bench/RESULTS.md, monitor_kernels,
+    fb3e2cf).
     """
 
     name = "attention"
