@@ -5,8 +5,9 @@ kernel) of ``N`` columns. ``table`` is ``[3, N]`` int64, per column the buffer i
 its sum (or -1), of its count (or -1) and of its running max (or -1), built once by
 :class:`syncless.metrics.SlotGroup`. A column with a sum target is reduced over ``P`` by
 a float64 sum (and, if it also has a max target, that sum is what the max sees: a
-per-call count feeding a "largest this step" alert); a column with only a max target
-is reduced by max. The gate (float64 0/1) multiplies sums and counts and, when 0,
+per-call count feeding a "largest this step" alert, which several columns may share:
+an atomic max, for non-negative values only); a column with only a max target is
+reduced by max. The gate (float64 0/1) multiplies sums and counts and, when 0,
 leaves maxima untouched, as the torch slot ops do.
 """
 
@@ -63,9 +64,17 @@ def _fold_kernel(
 
     has_max = in_range & (max_idx >= 0)
     m_ptr = buf_ptr + tl.where(has_max, max_idx, 0)
-    value = tl.where(sum_idx >= 0, acc_sum, acc_max.to(tl.float64))
-    old = tl.load(m_ptr, mask=has_max, other=0.0)
-    tl.store(m_ptr, tl.where(gate != 0.0, tl.maximum(old, value), old), mask=has_max)
+    own = has_max & (sum_idx < 0)  # a max column: its target is its own
+    old = tl.load(m_ptr, mask=own, other=0.0)
+    tl.store(m_ptr, tl.where(gate != 0.0, tl.maximum(old, acc_max.to(tl.float64)), old), mask=own)
+    # also_max: several columns may feed one target (the nonfinite alert over every
+    # layer of a grouped fold), from other programs too, so an atomic max. The values
+    # are sums of counts (>= 0), and for non-negative doubles and the -inf identity the
+    # int64 bit patterns order as the values do.
+    shared = tl.where(gate != 0.0, has_max & (sum_idx >= 0), False)
+    tl.atomic_max(
+        m_ptr.to(tl.pointer_type(tl.int64)), acc_sum.to(tl.int64, bitcast=True), mask=shared
+    )
 
 
 @hot_path

@@ -24,7 +24,8 @@ class Column:
     ``slot``: a mean/sum slot (columns summed over partial rows, each element's count
     advanced by the fold's ``n_samples``) or a max slot (columns reduced by max).
     ``also_max``: a max slot that additionally receives the summed value (a per-call
-    count feeding a "largest this step" alert). ``start``: the first element of
+    count feeding a "largest this step" alert); columns may share it (an atomic max,
+    which orders non-negative values only: counts). ``start``: the first element of
     ``slot`` these columns write (a tensor-parallel shard writes its slice).
     ``slot=None``: ``width`` columns the fold skips (a grouped launch folds what only
     one column may update, such as a metric shared by every layer, on its own).

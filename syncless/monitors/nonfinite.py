@@ -2,7 +2,7 @@
 
 Hot path per layer: ``count_nonzero(x - x)`` (2 kernels, one read of the activation)
 and the slot ops (2 for the count, 2 for the alert); on CUDA two launches per forward
-for every layer plus the alert's update (grouped, the default: syncless.monitors.
+for all layers together, the alert included (grouped, the default: syncless.monitors.
 layer_batch; shared with the activations monitor's read when both are attached:
 syncless.monitors.output_read), which then lands once the forward has passed the last
 layer: still before backward and the optimizer step; ``launch="layer"``: two fused
@@ -78,17 +78,18 @@ class NonFiniteMonitor:
             self.output_handles[site.index] = site.attach_output(ctx.timed(self.name, record))
             ctx.handles += self.output_handles[site.index]
         if self.launch == "grouped" and self._layers:
-            # The grouped fold sums each layer's column; the alert (largest per-layer
-            # count of the forward) is a max over columns, which one fold cannot form
-            # race-free, so it is a separate update from the same partials.
+            # The grouped fold sums each layer's column and feeds every column's sum to
+            # the alert (the largest per-layer count of the forward) by an atomic max:
+            # no launch more for it (it was four: sum, max, where, clamp).
             self._batch = LayerBatch(
                 self._layers,
-                SlotGroup(ctx.metrics, [Column(self._slots[i]) for i in self._layers]),
+                SlotGroup(
+                    ctx.metrics, [Column(self._slots[i], also_max=alert) for i in self._layers]
+                ),
                 view=lambda x: (kernels.flat_view(x),),
                 grouped=kernels.nonfinite_partials_grouped,
                 single=lambda layer, x: groups[layer].fold(kernels.nonfinite_partials(x), 1),
                 device=ctx.metrics.buffer.device,  # type: ignore[union-attr]
-                after=lambda partials, samples: alert.update(partials.sum(0).max()),
             )
             ctx.batches.append(self._batch)
 

@@ -6,8 +6,9 @@ When both are attached with grouped launches over the same layers, one hook per 
 holds the output for both (each hook call is 11-18 us of the H200's host, so the
 second one was 0.4 ms per step on the demo's 24 layers), one kernel computes the
 per-channel maxima and the NaN/Inf counts in one pass
-(``kernels.output_stats_partials_grouped``) and one fold updates both monitors' slots;
-the alert is updated from the same partials, as the nonfinite monitor's own batch does.
+(``kernels.output_stats_partials_grouped``) and one fold updates both monitors' slots
+and the alert (every layer's count column feeds it by an atomic max in the fold, as
+in the nonfinite monitor's own batch).
 
 Each monitor keeps its own cadence: a step where only one of them is active uses that
 monitor's own batch, through its own callback. The per-layer fallback (see
@@ -50,22 +51,21 @@ def fuse_output_reads(ctx: MonitorContext, monitors: Sequence[Monitor]) -> Layer
         own_acts._single(layer, x)
         own_nonf._single(layer, x)
 
-    def alert_update(partials, samples) -> None:
-        # Every layer's count column: the largest per-layer count of this forward.
-        alert.update(partials[:, width :: width + 1].sum(0).max())
-
     shared = LayerBatch(
         acts._layers,
         SlotGroup(
             ctx.metrics,
-            [c for i in acts._layers for c in (Column(acts._slots[i]), Column(nonf._slots[i]))],
+            [
+                c
+                for i in acts._layers
+                for c in (Column(acts._slots[i]), Column(nonf._slots[i], also_max=alert))
+            ],
         ),
         view=lambda x: (kernels.rows_view(x),),
         grouped=kernels.output_stats_partials_grouped,
         single=single,
         device=ctx.metrics.buffer.device,  # type: ignore[union-attr]
         accepts=lambda x: x.shape[1] == width and kernels.output_counts_exact(*x.shape),
-        after=alert_update,
     )
     acts.share(shared, partner=nonf)
     nonf.share(shared, partner=acts)

@@ -50,6 +50,8 @@ def test_fold_matches_a_numpy_recount_over_calls():
     group = _group(ms, s)
     rng = np.random.default_rng(0)
     calls = [(rng.normal(size=(p, 11)).astype(np.float32), n) for p, n in ((5, 7), (40, 3))]
+    for part, _ in calls:  # the also_max column holds counts: non-negative (its contract)
+        part[:, 3] = rng.integers(0, 9, size=len(part))
     for part, n in calls:
         group.fold(torch.from_numpy(part).to(DEVICE), n)
     (out,) = ms.flush(0, wait=True)
@@ -74,6 +76,27 @@ def test_fold_with_the_gate_off_changes_nothing():
     ms.set_enabled(True)
     (out,) = ms.flush(0, wait=True)
     assert not any(out.present[k].any() for k in out.present)
+
+
+def test_columns_sharing_one_also_max_target_feed_it_the_largest_sum():
+    """A grouped fold: every layer's count column feeds one alert (an atomic max across
+    programs: 300 columns span three of them)."""
+    ms = MetricSet()
+    counts = [ms.declare("t", "n_count", "sum", layer=i) for i in range(300)]
+    alert = ms.declare("t", "alert_count", "max")
+    ms.allocate(DEVICE)
+    group = SlotGroup(ms, [Column(c, also_max=alert) for c in counts])
+    rng = np.random.default_rng(1)
+    calls = [rng.integers(0, 5, size=(7, 300)).astype(np.float32) for _ in range(2)]
+    calls[1][:, 250] = 0
+    calls[1][3, 250] = 1000  # the largest column sum, in the last program's columns
+    for part in calls:
+        group.fold(torch.from_numpy(part).to(DEVICE), 7)
+    (out,) = ms.flush(0, wait=True)
+    largest = max(p.astype(np.float64).sum(0).max() for p in calls)  # per call, not summed
+    assert out.values["t/step/alert_count"][0] == largest == 1000
+    for i, c in enumerate(counts):
+        assert out.values[c.spec.key][0] == sum(p[:, i].sum() for p in calls)
 
 
 def test_group_refuses_bad_columns():
