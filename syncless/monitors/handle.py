@@ -20,6 +20,9 @@ from syncless.monitors.output_read import fuse_output_reads
 from syncless.run import Run, StepRecord, check_metric_name
 from syncless.run.records import StepRecords
 
+#: The longest the readout thread waits for a backward to start before it reads anyway.
+READOUT_WAIT_S = 2.0
+
 
 class MonitorHandle:
     """What ``attach`` returns: call ``step(step)`` once per training step, ``close()``
@@ -41,7 +44,7 @@ class MonitorHandle:
     would land on the step's critical path all the same. It waits instead for the
     backward to start (a gradient hook on the last block's output), when training
     leaves the GIL to autograd's own thread for the whole backward, or for the next
-    ``step`` when no backward comes. Its time is billed as
+    ``step`` when no backward comes (at most ``READOUT_WAIT_S``). Its time is billed as
     ``monitors/self/readout_host_ms``.
     """
 
@@ -130,7 +133,9 @@ class MonitorHandle:
         self, landed: Landed, hooks: dict[str, int] | None, host_ms: float
     ) -> tuple[Readout, StepRecords]:
         """The readout thread's job: decode, derive, records."""
-        self._go.wait()
+        # Bounded: a handle never closed must not keep the interpreter from exiting
+        # (it joins this thread), and a step longer than this has time to spare.
+        self._go.wait(timeout=READOUT_WAIT_S)
         self._go.clear()
         start = time.perf_counter_ns()
         readout = self.metrics.decode(landed)

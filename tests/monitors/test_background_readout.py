@@ -137,3 +137,29 @@ def test_the_readout_waits_for_the_next_backward():
     readout, _ = job.result(timeout=10)
     assert readout.step == 0 and monitor.derive_threads == ["syncless-monitors-readout_0"]
     handle.close()
+
+
+def test_a_handle_never_closed_does_not_hang_the_exit(tmp_path):
+    """The readout thread waits for a backward with a timeout: the interpreter, which
+    joins it at exit, gets out even when close() is never called."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "forgot_close.py"
+    script.write_text(
+        "import torch\n"
+        "from syncless.demo.config import preset\n"
+        "from syncless.demo.model import MoETransformer\n"
+        "from syncless.monitors import attach\n"
+        "from syncless.monitors.activations import ActivationsMonitor\n"
+        "model = MoETransformer(preset('tiny'))\n"
+        "handle = attach(model, [ActivationsMonitor()], background=True)\n"
+        "for step in range(3):\n"
+        "    with torch.no_grad():\n"
+        "        model(torch.randint(0, 256, (2, 8)))\n"
+        "    handle.step(step)\n"
+        "print('done')\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "done"
