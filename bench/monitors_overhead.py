@@ -98,10 +98,13 @@ def run_phase(
             flush_s = 0.0
         if handle is not None:
             # A monitored step counts as one training step for the cadences: a monitor
-            # with every=10 is on in every 10th of them.
+            # with every=10 is on in every 10th of them. In the warm-up every monitor
+            # is on at each ON step, whatever its cadence: norms' first active step
+            # compiles its kernels (1.3 s), which at 77b78c1 landed in the stack
+            # phase's first measured period on a machine with a cold Triton cache.
             monitored = (i - warmup) // PERIOD
             for m in handle.monitors:
-                m.active = on and monitored % m.every == 0
+                m.active = on and (i < warmup or monitored % m.every == 0)
         if naive is not None:
             naive.active = on
         counting = phase == "all" and i == warmup + PERIOD  # one census period
