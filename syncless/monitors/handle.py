@@ -111,7 +111,8 @@ class MonitorHandle:
             else:
                 self._go.clear()
             for landed in self.metrics.flush_landed(step) if any_active else []:
-                job = self._executor.submit(self._read_landed, landed, *self._own_inputs(step))
+                own = self._own_inputs(landed.step)
+                job = self._executor.submit(self._read_landed, landed, *own)
                 self._inflight.append(job)
             records = self._collect(block=False)
         self._set_cadence(step + 1)

@@ -163,3 +163,26 @@ def test_a_handle_never_closed_does_not_hang_the_exit(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "done"
+
+
+def test_each_steps_own_cost_rides_with_that_steps_values():
+    """The hook ledger taken at step s's flush goes with step s's readout (which the
+    readout thread gets one flush later), not with the step being flushed then."""
+    model = _model()
+    handle = attach(model, [ActivationsMonitor()], background=True)
+    tokens = torch.randint(0, 256, (2, 8))
+    records = []
+    for step in range(4):
+        with no_sync(cpu_as_device=True), torch.no_grad():
+            model(tokens)
+        # a synthetic 10 (s + 1) s of hooks, far above the real ones (the interpreter's
+        # included), so each step's bill is recognisable
+        handle.ctx.host_ns["activations"] += (step + 1) * 10_000_000_000
+        records += list(handle.step(step))
+    records += list(handle.close())
+    billed = {
+        r.step: r.value for r in records if r.name == "monitors/self/activations_hook_host_ms"
+    }
+    assert sorted(billed) == [0, 1, 2, 3]
+    for step, ms in billed.items():
+        assert 10_000 * (step + 1) <= ms < 10_000 * (step + 1) + 5_000, (step, ms)
