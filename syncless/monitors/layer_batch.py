@@ -41,6 +41,8 @@ from syncless.kernels.offsets import OffsetRing
 from syncless.metrics.slot_group import SlotGroup
 
 LAUNCHES = ("layer", "grouped")
+#: Deferred folds held at most (each holds one forward's partials until the flush).
+MAX_DEFERRED = 16
 
 
 def launch_mode(launch: str | None) -> str:
@@ -149,9 +151,9 @@ class LayerBatch:
             return
         partials = self._grouped(*first, table, self._n_layers)
         self.grouped_launches += 1
-        if self._defer:
+        if self._defer and len(self._unfolded) < MAX_DEFERRED:
             self._unfolded.append((partials, self._samples(*first)))
-        else:
+        else:  # no flush for many forwards (a loop that never flushes): fold now
             self._fold(partials, self._samples(*first))
 
     @hot_path
