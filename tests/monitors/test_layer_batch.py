@@ -1,0 +1,58 @@
+"""LayerBatch's deferred folds: held to the flush, in order, and never without bound."""
+
+from __future__ import annotations
+
+import torch
+
+from syncless.metrics import MetricSet
+from syncless.monitors.layer_batch import MAX_DEFERRED, LayerBatch
+
+
+class _Group:
+    """A SlotGroup stand-in that notes each fold (the kernels are tested elsewhere)."""
+
+    def __init__(self) -> None:
+        self.metrics = MetricSet()
+        self.folds: list[tuple[float, float]] = []
+
+    def fold(self, partials: torch.Tensor, n_samples: float) -> None:
+        self.folds.append((float(partials.sum()), n_samples))
+
+
+def _batch(group: _Group) -> LayerBatch:
+    return LayerBatch(
+        [0, 1],
+        group,  # type: ignore[arg-type]
+        view=lambda x: (x,),
+        grouped=lambda x, offsets, n: x.clone(),
+        single=lambda layer, x: None,
+        device=torch.device("cpu"),
+        samples=lambda x: float(x.shape[0]),
+        defer_fold=True,
+    )
+
+
+def test_deferred_folds_land_at_the_flush_in_order():
+    group = _Group()
+    batch = _batch(group)
+    storage = torch.zeros(2, 3, 4)
+    for forward in range(3):
+        storage.fill_(forward + 1)
+        batch.add(0, storage[0])
+        batch.add(1, storage[1])  # the set is complete: one grouped "launch"
+    assert batch.grouped_launches == 3 and group.folds == []
+    group.metrics.before_flush[0]()  # what MetricSet.flush calls first
+    # each forward's partials as they were then (a clone), in forward order
+    assert group.folds == [(12.0 * (f + 1), 3.0) for f in range(3)]
+
+
+def test_a_loop_that_never_flushes_folds_past_the_cap():
+    group = _Group()
+    batch = _batch(group)
+    storage = torch.ones(2, 3, 4)
+    for _ in range(MAX_DEFERRED + 5):
+        batch.add(0, storage[0])
+        batch.add(1, storage[1])
+    assert len(batch._unfolded) == MAX_DEFERRED and len(group.folds) == 5
+    batch.finish()
+    assert len(group.folds) == MAX_DEFERRED + 5 and batch._unfolded == []
