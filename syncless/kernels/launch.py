@@ -2,11 +2,14 @@
 
 ``kernel[grid](*args)`` goes through ``JITFunction.run``: it binds and specialises
 every argument, builds a cache key, looks the compiled kernel up, then calls its
-launcher. On the H200's host that cost 77-229 us per launch for the grouped monitor
-kernels (20-25 arguments; bench/RESULTS.md), against 17-23 us for a trivial kernel,
-and a monitored step makes several of them. ``cached_launch`` keeps, per
-specialisation, the compiled kernel ``JITFunction.run`` returned, and launches it
-through the compiled kernel's own runner (``compiled[grid](*args)``).
+launcher. ``cached_launch`` keeps, per specialisation, the compiled kernel
+``JITFunction.run`` returned, and launches it through the compiled kernel's own runner
+(``compiled[grid](*args)``). Measured on the H200's host it saves little: a trivial
+kernel took 11.8 us through ``JITFunction.run`` and 8.1 us through the runner, and the
+grouped monitor kernels' 77-229 us per launch in a training step turned out to be the
+driver's, most of it from launching onto an idle GPU (bench/RESULTS.md, probe lines at
+839d1b4). It stays because it costs nothing and the binding grows with the
+argument count.
 
 The key is at least as strict as Triton's own: every tensor's dtype, device and
 16-byte alignment (all Triton specialises a pointer on), the integer width of an
