@@ -8,8 +8,8 @@ launcher. ``cached_launch`` keeps, per specialisation, the compiled kernel
 kernel took 11.8 us through ``JITFunction.run`` and 8.1 us through the runner, and the
 grouped monitor kernels' 77-229 us per launch in a training step turned out to be the
 driver's, most of it from launching onto an idle GPU (bench/RESULTS.md, probe lines at
-839d1b4). It stays because it costs nothing and the binding grows with the
-argument count.
+839d1b4). It stays as a small saving that grows with the argument count (the key it
+builds per launch is part of its own cost; not measured apart).
 
 The key is at least as strict as Triton's own: every tensor's dtype, device and
 16-byte alignment (all Triton specialises a pointer on), the integer width of an
