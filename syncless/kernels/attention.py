@@ -21,7 +21,6 @@ number of query rows the block used (written by head 0 only).
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import triton
@@ -40,29 +39,6 @@ _BLOCK_N = 32
 _NUM_WARPS = 8
 _LOG2E = math.log2(math.e)
 _LN2: tl.constexpr = tl.constexpr(math.log(2.0))
-
-
-class _Options:
-    """``fn[grid](*args)`` launched with fixed Triton options (``num_warps``), so that
-    ``cached_launch`` sees only the kernel's own arguments: one keyword more and every
-    launch takes ``JITFunction.run`` (launch.py). Other attributes are ``fn``'s; the
-    interpreter ignores the options."""
-
-    def __init__(self, fn: Any, options: dict[str, Any]) -> None:
-        self.fn = fn
-        self.options = options
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.fn, name)
-
-    def __getitem__(self, grid: Any) -> Any:
-        launch = self.fn[grid]
-        return lambda *args, **kwargs: launch(*args, **kwargs, **self.options)
-
-
-def _launch_options(**options: Any) -> Any:
-    """Decorate a ``@triton.jit`` kernel, under ``@cached_launch``: see ``_Options``."""
-    return lambda fn: _Options(fn, options)
 
 
 @triton.jit
@@ -179,8 +155,7 @@ def _qk_block(
 # Batch-dependent sizes and the rotating phase are not specialised: Triton would
 # compile a new variant (~100 ms, seen on the H200) for phase == 1 or a size that is a
 # multiple of 16 the first time one appears, in the middle of training.
-@cached_launch
-@_launch_options(num_warps=_NUM_WARPS)
+@cached_launch(num_warps=_NUM_WARPS)
 @triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW", "phase", "stride"])
 def _qk_stats_kernel(
     q_ptr, k_ptr, out_ptr,
@@ -203,8 +178,7 @@ def _qk_stats_kernel(
     )  # fmt: skip
 
 
-@cached_launch
-@_launch_options(num_warps=_NUM_WARPS)
+@cached_launch(num_warps=_NUM_WARPS)
 @triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW"])
 def _qk_stats_grouped_kernel(
     q_ptr, k_ptr, offsets_ptr, out_ptr,

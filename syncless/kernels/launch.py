@@ -45,8 +45,11 @@ class CachedLaunch:
     """``fn[grid](*args, **kwargs)`` as Triton launches it, cheaper from the third
     launch of a specialisation (see the module docstring)."""
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, options: dict[str, Any] | None = None) -> None:
         self.fn = fn
+        # Triton launch options (num_warps, ...): fixed per kernel, so they are not part
+        # of the key; the compiled kernel carries them, its runner takes none.
+        self.options = options or {}
         params = getattr(fn, "params", None)
         self.names: list[str] = [p.name for p in params] if params else []
         self._constexpr = [bool(getattr(p, "is_constexpr", False)) for p in params or ()]
@@ -60,6 +63,10 @@ class CachedLaunch:
         self._ready: dict[tuple, Any] = {}  # key -> (compiled, every argument?) or _JIT
         self.direct_launches = 0
 
+    def _jit(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Triton's own launch (``JITFunction.run``); returns the compiled kernel."""
+        return self.fn[grid](*args, **kwargs, **self.options)
+
     def _runtime(self, values: list) -> list:
         """The non-constexpr arguments (what older Triton launchers take)."""
         return [v for v, c in zip(values, self._constexpr, strict=True) if not c]
@@ -69,12 +76,12 @@ class CachedLaunch:
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
         if not self.enabled or len(args) + len(kwargs) != len(self.names):
-            self.fn[grid](*args, **kwargs)
+            self._jit(grid, args, kwargs)
             return
         try:
             values = [*args, *(kwargs[n] for n in self.names[len(args) :])]
         except KeyError:  # a keyword out of signature order: Triton binds it
-            self.fn[grid](*args, **kwargs)
+            self._jit(grid, args, kwargs)
             return
         key = tuple(
             (v.dtype, v.get_device(), v.data_ptr() % 16 == 0)
@@ -87,7 +94,7 @@ class CachedLaunch:
         try:
             ready = self._ready.get(key)
         except TypeError:  # an unhashable argument: Triton's path, uncached
-            self.fn[grid](*args, **kwargs)
+            self._jit(grid, args, kwargs)
             return
         if ready is not None and ready is not _JIT:
             compiled, every = ready
@@ -95,11 +102,11 @@ class CachedLaunch:
             self.direct_launches += 1
             return
         if ready is _JIT:
-            self.fn[grid](*args, **kwargs)
+            self._jit(grid, args, kwargs)
             return
         compiled = self._seen.pop(key, None)
         if compiled is None:
-            compiled = self.fn[grid](*args, **kwargs)
+            compiled = self._jit(grid, args, kwargs)
             if len(self._seen) + len(self._ready) < MAX_KEYS:
                 self._seen[key] = compiled
             return
@@ -112,7 +119,7 @@ class CachedLaunch:
         runner's argument form, or ``_JIT`` when it is neither known form."""
         attr = next((a for a in ("_run", "run") if vars(compiled).get(a) is not None), None)
         if attr is None:
-            self.fn[grid](*args, **kwargs)
+            self._jit(grid, args, kwargs)
             return _JIT
         original = vars(compiled)[attr]
         calls: list[tuple] = []
@@ -123,7 +130,7 @@ class CachedLaunch:
 
         setattr(compiled, attr, watched)
         try:
-            self.fn[grid](*args, **kwargs)
+            self._jit(grid, args, kwargs)
         finally:
             setattr(compiled, attr, original)
         if len(calls) != 1:  # another compiled kernel ran: Triton's key is not ours
@@ -144,7 +151,10 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def cached_launch(fn: Any) -> CachedLaunch:
+def cached_launch(fn: Any = None, **options: Any) -> Any:
     """Decorate a ``@triton.jit`` kernel launched from Python (not one other kernels
-    call): ``kernel[grid](...)`` keeps working, through ``CachedLaunch``."""
-    return CachedLaunch(fn)
+    call): ``kernel[grid](...)`` keeps working, through ``CachedLaunch``.
+    ``@cached_launch(num_warps=8)`` launches with those Triton options every time."""
+    if fn is None:
+        return lambda f: CachedLaunch(f, options)
+    return CachedLaunch(fn, options)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from syncless.kernels.launch import CachedLaunch
+from syncless.kernels.launch import CachedLaunch, cached_launch
 
 
 @dataclass
@@ -47,11 +47,14 @@ class _JITFunction:
         self.every, self.reversed_args = every, reversed_args
         self.compiled: dict[tuple, _Compiled] = {}
         self.jit_launches = 0
+        self.options: list[dict] = []  # the launch options of each launch through Triton
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._run(grid, args, kwargs)
 
     def _run(self, grid, args, kwargs):
+        names = {p.name for p in self.params}
+        self.options.append({k: v for k, v in kwargs.items() if k not in names})
         values = [*args, *(kwargs[p.name] for p in self.params[len(args) :])]
         x, n, scale, block = values
         key = (x.dtype, x.data_ptr() % 16 == 0, n < 2**31, repr(scale), block)
@@ -76,6 +79,16 @@ def test_third_launch_on_goes_through_the_runner_with_what_triton_would_pass(eve
     (compiled,) = fn.compiled.values()
     runtime = lambda n: (x, n, 0.5, 128) if every else (x, n, 0.5)  # noqa: E731
     assert compiled.launches == [((4, 1, 1), runtime(n)) for n in (10, 11, 12, 13)]
+
+
+def test_launch_options_reach_every_launch_through_triton():
+    fn = _JITFunction(every=True)
+    kernel = cached_launch(num_warps=8)(fn)
+    x = torch.zeros(64)
+    for _ in range(4):
+        kernel[(2,)](x, 5, 0.5, BLOCK=128)
+    # the options are not the kernel's arguments: the runner still takes over
+    assert fn.options == [{"num_warps": 8}] * 2 and kernel.direct_launches == 2
 
 
 def test_a_new_specialisation_starts_over_through_triton():
