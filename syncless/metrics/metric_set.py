@@ -25,19 +25,15 @@ class _Pending:
     def landed(self) -> bool:
         return self.event is None or self.event.query()
 
-    def view(self) -> Landed:
-        return Landed(self.step, self.host, copied=False)
-
 
 @dataclass(frozen=True)
 class Landed:
     """A flushed step's packed host values: what ``MetricSet.decode`` turns into a
-    ``Readout``. ``copied``: ``host`` is a copy out of the pinned ring, safe to decode on
-    another thread while later flushes reuse the ring; otherwise a view of it."""
+    ``Readout``. From ``flush_landed``/``drain_landed`` a copy out of the pinned ring
+    (later flushes reuse it), so it may be decoded on any thread."""
 
     step: int
     host: np.ndarray
-    copied: bool = True
 
 
 #: Pinned host buffers a flush copies into, in turn. A readout is decoded once its copy
@@ -194,22 +190,22 @@ class MetricSet:
         holds a copy not landed yet (the host ``HOST_BUFFERS`` flushes ahead), and then
         only for the oldest. ``wait=True``: also waits for this flush and returns it.
         """
-        return [self.decode(c) for c in self._flush(step, wait)]
+        return [self.decode(c) for c in self._flush(step, wait, copy=False)]
 
     def flush_landed(self, step: int, wait: bool = False) -> list[Landed]:
         """``flush`` without the decode: the landed steps' values copied out of the
         pinned ring (a ~200 KB memcpy on the demo's large schema), for ``decode`` on
         another thread while this one goes on training."""
-        ready = self._flush(step, wait)
-        return [c if c.copied else Landed(c.step, c.host.copy(), copied=True) for c in ready]
+        return self._flush(step, wait, copy=True)
 
     def decode(self, landed: Landed) -> Readout:
         """The ``Readout`` of a ``flush_landed`` copy (pure numpy: any thread)."""
         return decode(landed.step, landed.host, self._layout)
 
-    def _flush(self, step: int, wait: bool) -> list[Landed]:
-        """The flush; returns the landed steps, as views of the pinned ring except one
-        whose buffer this flush reuses (copied before the new copy overwrites it)."""
+    def _flush(self, step: int, wait: bool, copy: bool) -> list[Landed]:
+        """The flush; returns the landed steps, copied out of the pinned ring if
+        ``copy`` (else views, decoded before the next flush), and always the one whose
+        buffer this flush reuses (copied before the new copy overwrites it)."""
         if self.buffer is None:
             raise RuntimeError("flush() before allocate()")
         for finish in self.before_flush:
@@ -218,7 +214,7 @@ class MetricSet:
         ready: list[Landed] = []
         if len(self._pending) == len(self._host):  # this turn's buffer is still unread
             oldest = self._landed(self._pending.popleft())
-            ready.append(Landed(oldest.step, oldest.host.copy(), copied=True))
+            ready.append(Landed(oldest.step, oldest.host.copy()))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             # The two packed collectives of a flush; contiguous views of one buffer.
             dist.all_reduce(buf[: self._sum_len], op=dist.ReduceOp.SUM, group=self.group)
@@ -234,16 +230,16 @@ class MetricSet:
             event.record()
         self._reset()  # stream-ordered after the copy
         self.flushes += 1
+        landed = []
         while self._pending and self._pending[0].landed():
-            ready.append(self._pending.popleft().view())
+            landed.append(self._pending.popleft())
         current = _Pending(step, host_np, event)
         if wait:
-            ready += [self._landed(p).view() for p in self._pending]
+            landed += [self._landed(p) for p in (*self._pending, current)]
             self._pending.clear()
-            ready.append(self._landed(current).view())
         else:
             self._pending.append(current)
-        return ready
+        return ready + [Landed(p.step, p.host.copy() if copy else p.host) for p in landed]
 
     def drain(self) -> list[Readout]:
         """Every readout still pending (waiting for copies in flight), oldest first."""
