@@ -15,7 +15,6 @@ code may use on the device (e.g. ``torch.where`` to skip an update) without a sy
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -39,18 +38,10 @@ class NonFiniteMonitor:
         self._alert: Slot | None = None
         self._batch: LayerBatch | None = None
         self._layers: list[int] = []
-        # One read shared with the activations monitor (syncless.monitors.output_read).
-        self._shared: LayerBatch | None = None
-        self._partner: Any = None
         # Per layer: the output callback and the hook handles that call it (attach);
         # output_read replaces the handles with one hook shared with the partner.
         self.output_records: dict[int, Callable[[torch.Tensor], None]] = {}
         self.output_handles: dict[int, list[RemovableHandle]] = {}
-
-    def share(self, batch: LayerBatch, partner: Any) -> None:
-        """Leave the read to ``partner``'s hook, through ``batch``, on steps where it is
-        active as well (``syncless.monitors.output_read``)."""
-        self._shared, self._partner = batch, partner
 
     def prepare(self, ctx: MonitorContext) -> None:
         for site in ctx.model.layers:

@@ -67,8 +67,7 @@ def fuse_output_reads(ctx: MonitorContext, monitors: Sequence[Monitor]) -> Layer
         device=ctx.metrics.buffer.device,  # type: ignore[union-attr]
         accepts=lambda x: x.shape[1] == width and kernels.output_counts_exact(*x.shape),
     )
-    acts.share(shared, partner=nonf)
-    nonf.share(shared, partner=acts)
+    acts.share(shared, partner=nonf)  # nonfinite's own callback runs only without it
     ctx.batches.append(shared)
     for site in ctx.model.layers:
         for handle in acts.output_handles.pop(site.index) + nonf.output_handles.pop(site.index):

@@ -134,7 +134,7 @@ def test_shared_output_read_matches_naive_recounts_and_keeps_each_cadence(kernel
     assert poisoned["monitors/step/nonfinite_alert_count"] == float(alert) == max(truth)
     assert not any(n.endswith("/act_absmax") for n in poisoned)  # activations were off
     shared = acts._shared
-    assert shared is not None and shared is nonf._shared
+    assert shared is not None and shared in handle.ctx.batches
     if kernel_backend == "triton":
         assert (shared.grouped_launches, shared.single_launches) == (1, 0)
         assert (nonf._batch.grouped_launches, acts._batch.grouped_launches) == (1, 0)
