@@ -57,11 +57,6 @@ class Driver:
         allocation per call; whether the driver gave a time."""
         return self._elapsed(out_ref, start, end) == 0
 
-    def event_elapsed_ms(self, start: int, end: int) -> float | None:
-        """Milliseconds from ``start`` to ``end`` (both complete), or ``None``."""
-        out = ctypes.c_float()
-        return out.value if self._elapsed(ctypes.byref(out), start, end) == 0 else None
-
     def stream_write_u64(self, stream: int, address: int, value: int) -> bool:
         """Write ``value`` (any int; its low 64 bits) at device ``address`` when the
         stream reaches this point."""

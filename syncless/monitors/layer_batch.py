@@ -21,11 +21,12 @@ strides differ between layers, or no free offset buffer (``OffsetRing``).
 ``launch="layer"`` or ``SYNCLESS_MONITOR_LAUNCH=layer`` restores per-layer launches.
 
 ``defer_fold=True`` leaves the fold (and ``after``) of a grouped launch to
-``finish()``, which the handle calls at the flush: the grouped kernel still reads the
+``finish()``, which every ``MetricSet.flush`` runs first (``before_flush``): the grouped
+kernel still reads the
 tensors in the forward, but the fold's launches move from the end of the forward,
 where a host-bound step's GPU is idle and a launch costs the H200's host 93 us, to the
 flush, where the GPU is still busy with backward and the optimizer and a launch costs
-37-42 us (bench/RESULTS.md). A monitor whose slots training may read during the step
+37-42 us (bench/RESULTS.md, probe at 839d1b4). A monitor whose slots training may read during the step
 (the nonfinite alert) folds at once.
 """
 
