@@ -72,15 +72,7 @@ class ProfileTool:
         ]
 
     def _hook(self, module: nn.Module, name: str) -> None:
-        prof = self.prof
-
-        def begin(_module, _args):
-            prof.begin_section(name)
-
-        def end(_module, _args, _out):
-            prof.end_section(name)
-
-        self.handles += [module.register_forward_pre_hook(begin), module.register_forward_hook(end)]
+        self.handles += self.prof.hook_module(module, name)
 
     def step_begin(self, step: int) -> None:
         self.prof.begin_step(step)

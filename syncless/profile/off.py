@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
 from syncless.hot_path import hot_path
 from syncless.profile.wrappers import CollectiveWrappers
 
@@ -57,6 +60,11 @@ class NullProfiler(CollectiveWrappers):
 
     def section_fn(self, name: str | None = None, category: str = "compute") -> Callable[[F], F]:
         return lambda fn: fn  # the function itself: zero cost per call
+
+    def hook_module(
+        self, module: nn.Module, name: str, category: str = "compute", bytes: int = 0
+    ) -> list[RemovableHandle]:
+        return []  # no hooks: a module profiled "off" runs exactly as without a profiler
 
     @hot_path
     def collective(

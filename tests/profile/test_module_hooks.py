@@ -1,0 +1,176 @@
+"""``Profiler.hook_module``: module sections through the short hook path.
+
+A fake timer whose marks are consecutive integers makes every span's length a count
+of the marks taken inside it, so the expected times are worked out by hand below.
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from syncless.guard import no_sync
+from syncless.profile import OFF, Profiler
+
+
+class _Ticks:
+    """Each mark is the next integer; one tick reads as 1 ms."""
+
+    lagged = False
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def mark(self) -> int:
+        self.n += 1
+        return self.n
+
+    def elapsed_ns(self, a: int, b: int) -> float:
+        return float(b - a) * 1e6
+
+    def wait(self, token: int) -> None:
+        pass
+
+    def swap(self) -> None:
+        pass
+
+
+class _Leaf(nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+class _Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Leaf()
+
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = _Leaf()
+        self.b = _Holder()
+
+    def forward(self, x):
+        return self.b(self.a(self.a(x)))
+
+
+def _profiler(report_every: int = 10) -> Profiler:
+    prof = Profiler(report_every=report_every, calibrate=False, cuda=False)
+    prof._timer = _Ticks()  # before hook_module: the hooks bind the timer's mark
+    return prof
+
+
+def _hooked(prof) -> tuple[_Model, list]:
+    model = _Model()
+    handles = prof.hook_module(model.a, "a")
+    handles += prof.hook_module(model.b, "b", category="bandwidth", bytes=1000)
+    handles += prof.hook_module(model.b.inner, "c")
+    return model, handles
+
+
+def test_module_sections_time_calls_and_nesting_exactly():
+    prof = _profiler(report_every=3)
+    model, _ = _hooked(prof)
+    x = torch.ones(4)
+    for s in range(3):
+        with no_sync(cpu_as_device=True), prof.step(s):
+            model(x)
+    rep = prof.report()
+    # Per step: a opens and closes twice back to back (1 tick each); b opens, c opens,
+    # c closes, b closes (b spans 3 ticks, c 1).
+    assert rep.row("a").ms_per_step == pytest.approx(2.0)
+    assert rep.row("a").calls_per_step == 2.0
+    assert rep.row("b").ms_per_step == pytest.approx(3.0)
+    assert rep.row("c").ms_per_step == pytest.approx(1.0)
+    assert rep.row("c").depth == 1 and rep.row("b").depth == 0
+    assert rep.row("b").category == "bandwidth"
+    assert rep.values["profile/b/calls_count"] == 1.0  # per step
+    assert rep.row("b").gb_per_s == pytest.approx(1000 / (3.0 * 1e6))
+    assert rep.values["profile/self/misuse_count"] == 0.0
+
+
+def test_module_sections_equal_begin_end_sections():
+    """The short path records what begin_section/end_section in two hooks record."""
+
+    def run(short: bool):
+        prof = _profiler()
+        model = _Model()
+        for module, name in ((model.a, "a"), (model.b, "b"), (model.b.inner, "c")):
+            if short:
+                prof.hook_module(module, name)
+            else:
+                module.register_forward_pre_hook(lambda m, a, n=name: prof.begin_section(n))
+                module.register_forward_hook(lambda m, a, o, n=name: prof.end_section(n))
+        for s in range(4):
+            with prof.step(s):
+                model(torch.ones(2))
+                with prof.section("tail"):
+                    model(torch.ones(2))
+        rep = prof.report(force=True)
+        return {r.name: (r.ms_per_step, r.calls_per_step, r.depth) for r in rep.rows}
+
+    assert run(short=True) == run(short=False)
+
+
+def test_counts_continue_in_the_next_report_window():
+    prof = _profiler(report_every=2)
+    model, _ = _hooked(prof)
+    for s in range(4):
+        with prof.step(s):
+            model(torch.ones(1))
+            if s == 3:
+                model(torch.ones(1))
+        rep = prof.report()
+        if s == 1:
+            assert rep.row("a").calls_per_step == 2.0
+    assert rep.row("a").calls_per_step == 3.0  # (2 + 4) calls over steps 2 and 3
+    assert rep.row("b").ms_per_step == pytest.approx(4.5)  # (3 + 2 * 3) ticks / 2 steps
+
+
+class _Recursive(nn.Module):
+    def forward(self, x, depth: int = 1):
+        return self(x + 1, depth - 1) if depth > 0 else x
+
+
+def test_a_module_that_reenters_itself_gets_a_span_per_call():
+    prof = _profiler()
+    model = _Recursive()
+    prof.hook_module(model, "r")
+    for s in range(2):
+        with prof.step(s):
+            model(torch.ones(1))
+    rep = prof.report(force=True)
+    # outer opens (1), inner opens (2), inner closes (3), outer closes (4): 3 + 1 ticks.
+    assert rep.row("r").calls_per_step == 2.0
+    assert rep.row("r").ms_per_step == pytest.approx(4.0)
+    assert rep.values["profile/self/misuse_count"] == 0.0
+
+
+def test_forward_outside_a_step_is_counted_not_raised():
+    prof = _profiler()
+    model, _ = _hooked(prof)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        model(torch.ones(1))  # no open step
+    with prof.step(0):
+        model(torch.ones(1))
+    rep = prof.report(force=True)
+    assert rep.values["profile/self/misuse_count"] >= 1.0
+    assert rep.row("a").calls_per_step == 2.0  # the step's calls only
+    assert rep.row("b").ms_per_step == pytest.approx(3.0)
+
+
+def test_removed_hooks_and_off_leave_the_module_unhooked():
+    prof = _profiler()
+    model, handles = _hooked(prof)
+    for h in handles:
+        h.remove()
+    assert not model.a._forward_hooks and not model.a._forward_pre_hooks
+    assert OFF.hook_module(model.a, "a") == []
+    assert not model.a._forward_hooks and not model.a._forward_pre_hooks
