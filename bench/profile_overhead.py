@@ -2,22 +2,27 @@
 
 The workload is bench/train_step.py (the demo's training step in a tight loop, every
 step the same work). Sections: forward / backward / optimizer / log around the loop
-phases and one per attention, router and experts module in the forward (forward
-hooks), the demo's `--profile` layout on one GPU. "megatron" is a synchronize-per-span
-timer in the style of Megatron-LM's timers (torch.cuda.synchronize() at every start
-and stop, host clock), the comparison the issue asks for.
+phases and one per attention, router and experts module in the forward, the demo's
+`--profile` layout on one GPU, hooked the way the demo hooks them
+(``Profiler.hook_module``). "megatron" is a synchronize-per-span timer in the style of
+Megatron-LM's timers (torch.cuda.synchronize() at every start and stop, host clock),
+the comparison the issue asks for.
 
-Steps run in periods of four: off, off, MODE, off, the mode rotating over events,
-sync and megatron from one period to the next. A profiled step's cost is
+Steps run in periods of four: off, off, MODE, off, the mode rotating over ``--modes``
+(events twice per rotation by default: it is the mode with a target). A profiled step's
+module hooks are registered before it and removed after it, outside its timing, so the
+off steps run the model exactly as without a profiler (no hooks: what ``--profile off``
+does). A profiled step's cost is
 
     (t[ON] + t[ON+1]) - (t[ON-2] + t[ON-1])
 
 relative to the two off steps before it (the step after carries any lagged work).
-Printed: median and IQR of those estimates, the ratio of 10th percentiles (host
-jitter only adds time), and the profiler's own host time per profiled step (it bills
-itself: on the host-bound demo that is its cost, free of step-time noise).
+Printed: median and mean of those estimates with 95% bootstrap intervals, the ratio of
+10th percentiles (host jitter only adds time), and the profiler's own host time per
+profiled step (it bills itself: on the host-bound demo that is most of its cost, free
+of step-time noise; the hooks' dispatch by torch is not in it).
 
-    python bench/profile_overhead.py --preset large --periods 90
+    python bench/profile_overhead.py --preset large --periods 200
 """
 
 from __future__ import annotations
@@ -27,10 +32,18 @@ import gc
 import statistics
 import time
 
+import numpy as np
 import torch
 from results import append_result  # bench/ is on sys.path as a script
 from torch import nn
-from train_step import ON, PERIOD, TrainStep, low_percentile_ratio, paired_estimates
+from train_step import (
+    ON,
+    PERIOD,
+    TrainStep,
+    bootstrap_ci,
+    low_percentile_ratio,
+    paired_estimates,
+)
 
 from syncless.demo.config import preset
 from syncless.demo.model import Attention, Experts, Router
@@ -79,20 +92,26 @@ class MegatronTimers:
         pass
 
 
-def hook_sections(train: TrainStep) -> list:
-    """Sections around every attention, router and experts forward."""
-    names = {Attention: "attention", Router: "router", Experts: "experts"}
+SECTIONS = {Attention: "attention", Router: "router", Experts: "experts"}
+
+
+def hook_sections(train: TrainStep, prof) -> list:
+    """Sections around every attention, router and experts forward: the profiler's own
+    module hooks, or (for the Megatron-style timers) begin/end in plain hooks."""
     handles = []
     for module in train.model.modules():
-        name = names.get(type(module))
+        name = SECTIONS.get(type(module))
         if name is None:
+            continue
+        if isinstance(prof, Profiler) or prof is OFF:
+            handles += prof.hook_module(module, name)
             continue
 
         def begin(_m: nn.Module, _a, name: str = name) -> None:
-            train.profiler.begin_section(name)
+            prof.begin_section(name)
 
         def end(_m: nn.Module, _a, _o, name: str = name) -> None:
-            train.profiler.end_section(name)
+            prof.end_section(name)
 
         handles += [module.register_forward_pre_hook(begin), module.register_forward_hook(end)]
     return handles
@@ -102,9 +121,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--periods", type=int, default=30, help="periods in all (modes rotate)")
+    parser.add_argument("--modes", default="events,sync,events,megatron",
+                        help="the rotation of profiled modes, one per period")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
+    rotation = args.modes.split(",")
+    if not set(rotation) <= set(MODES):
+        parser.error(f"--modes: each of {rotation} must be one of {MODES}")
+    modes = list(dict.fromkeys(rotation))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = preset(args.preset)
     train = TrainStep(cfg, device)
@@ -114,29 +139,29 @@ def main() -> None:
         "sync": Profiler(mode="sync", report_every=10**9),
         "megatron": MegatronTimers(),
     }
-    handles = hook_sections(train)
-    times: dict[str, list[float]] = {m: [] for m in MODES}
+    times: dict[str, list[float]] = {m: [] for m in modes}
     for step in range(3):
         train(step)
     gc.collect()
     gc.freeze()
-    last = time.perf_counter()
     for i in range(args.warmup + args.periods * PERIOD):
         period, pos = divmod(i - args.warmup, PERIOD)
-        mode = MODES[period % len(MODES)]
-        prof = profilers[mode] if i >= args.warmup and pos == ON else OFF
+        # The warm-up profiles too (the pools and the section table fill there).
+        mode = rotation[period % len(rotation)]
+        prof = profilers[mode] if pos == ON else OFF
         train.profiler = prof
+        handles = hook_sections(train, prof)  # outside the step's time
+        start = time.perf_counter()
         prof.begin_step(i)
         train(i)
         prof.end_step()
-        now = time.perf_counter()
+        elapsed = time.perf_counter() - start
+        for h in handles:
+            h.remove()
         if i >= args.warmup:
-            times[mode].append(now - last)
-        last = now
-    for h in handles:
-        h.remove()
+            times[mode].append(elapsed)
 
-    all_off = [t for m in MODES for j, t in enumerate(times[m]) if j % PERIOD in (0, 1)]
+    all_off = [t for m in modes for j, t in enumerate(times[m]) if j % PERIOD in (0, 1)]
     off_ms = statistics.median(all_off) * 1e3
     print(f"\ndemo {args.preset} train step on {device.type}: off {off_ms:.1f} ms/step, "
           f"{args.periods} periods")  # fmt: skip
@@ -145,29 +170,31 @@ def main() -> None:
     self_ms = {
         mode: profilers[mode].report(force=True).values["profile/self/host_ms"]
         for mode in ("events", "sync")
+        if mode in modes
     }
     for mode, ms in self_ms.items():
         print(
             f"{mode} profiler's own host time: {ms:.3f} ms/step ({ms / off_ms * 100:.2f}% of off)"
         )
-    rows = []
-    for mode in MODES:
+    parts = []
+    for mode in modes:
         est = paired_estimates(times[mode])
-        q = statistics.quantiles(est, n=4)
-        rows.append((mode, statistics.median(est), q[0], q[2], low_percentile_ratio(times[mode])))
-        print(f"{mode:<10}{rows[-1][1]:>+9.2f}%   IQR {q[0]:+.2f}%..{q[2]:+.2f}%   "
-              f"p10 ratio {rows[-1][4]:+.2f}%")  # fmt: skip
-    if not args.no_record:
-        table = "; ".join(
-            f"{m} {p:+.2f}% (IQR {lo:+.1f}..{hi:+.1f}, p10 ratio {p10:+.2f}%)"
-            for m, p, lo, hi, p10 in rows
+        med, mean = statistics.median(est), statistics.fmean(est)
+        (m_lo, m_hi), (a_lo, a_hi) = bootstrap_ci(est), bootstrap_ci(est, np.mean)
+        p10 = low_percentile_ratio(times[mode])
+        text = (
+            f"{mode} {med:+.2f}% (95% CI {m_lo:+.2f}..{m_hi:+.2f}, mean {mean:+.2f}% CI "
+            f"{a_lo:+.2f}..{a_hi:+.2f}, {len(est)} periods, p10 ratio {p10:+.2f}%)"
         )
+        print(text)
+        parts.append(text)
+    own = ", ".join(f"{m} {ms:.3f} ms/step ({ms / off_ms * 100:.2f}%)" for m, ms in self_ms.items())
+    if not args.no_record:
         append_result(
             "profile_overhead",
-            f"demo {args.preset} train step (tight loop) off {off_ms:.1f} ms/step; profiled "
-            f"step vs the 2 off steps before it ({args.periods} periods, modes rotating): {table}; "
-            f"profiler's own host time events {self_ms['events']:.3f} ms/step "
-            f"({self_ms['events'] / off_ms * 100:.2f}%), sync {self_ms['sync']:.3f} ms/step",
+            f"demo {args.preset} train step (tight loop) off {off_ms:.1f} ms/step, off steps "
+            f"without hooks; profiled step vs the 2 off steps before it (modes rotating "
+            f"{args.modes}): {'; '.join(parts)}; profiler's own host time {own}",
         )
 
 
