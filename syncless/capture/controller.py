@@ -5,7 +5,8 @@ tells it what happened, in occurrences of the pattern and bytes, and it answers 
 grants. The engine drives it with five calls::
 
     version = ctl.define_pattern(pattern)       # pack(version, counter) on the device
-    g = ctl.grant(position, occurrence, ready)   # a window OPENs; ready = record sizes
+    g = ctl.grant(position, occurrence, ready,   # a window OPENs; ready = record sizes,
+                  window_s=...)                  # its last duration (optional)
     ...copy the first g.records records (g.nbytes bytes) on the copy stream...
     ctl.complete(g, before_close=..., issued_late=..., close_late=...,
                  transfer_s=..., window_s=...)   # once the copy and the CLOSE are known
@@ -38,6 +39,13 @@ Grant (what the engine copies)
     *probe*): a window either proves it carries the smallest thing there is to send, or
     it is skipped. A probe that overruns is not retried at once: after ``f`` consecutive
     failed probes a position skips ``min(2**(f-1), probe_cooldown_max)`` occurrences.
+    Nor is a probe sent that timing already rules out: when the engine passes the
+    window's duration in its previous occurrence (``window_s``) and the D2H bandwidth
+    of recent clean transfers (their median) would not move the first record in it, the
+    window is skipped (``too_short``). Why: a window shorter than the smallest record
+    can only overrun, and backoff alone still probes it at occurrences 2, 4, 7, 12, 21,
+    38, ...; the expert-parallel demo has dozens of such windows per step (the expert
+    compute between a dispatch and its combine against a 32 MiB hidden state).
 
 Learning, from clean transfers only
     Completion before the CLOSE raises A; at or after it lowers B; an overrun at or below
@@ -62,6 +70,7 @@ Fallback
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -91,6 +100,8 @@ class GrantReason(str, Enum):
     ESTIMATE = "estimate"  # only A, E larger: E
     PROBE = "probe"  # the first record exceeds the budget: it goes alone
     COOLDOWN = "cooldown"  # the first record exceeds the budget, probes backing off
+    TOO_SHORT = "too_short"  # the first record exceeds the budget and the window's last
+    # duration at the recent bandwidth: no probe
     OVERSIZED = "oversized"  # the first record exceeds the staging bytes: flush it
     NOTHING_READY = "nothing_ready"
     SUSPENDED = "suspended"  # no windows now: everything transferable
@@ -139,6 +150,9 @@ class ControllerConfig:
     #: ... this quantile: windows whose length varies from one occurrence to the next
     #: are budgeted for their short occurrences, not for whichever came last.
     estimate_quantile: float = 0.1
+    #: The bandwidth that rules probes out is the median of this many latest clean
+    #: transfers (any window).
+    bandwidth_history: int = 16
     #: Longest cooldown (occurrences skipped) after repeated failed probes.
     probe_cooldown_max: int = 64
     #: This many capacity flushes ...
@@ -150,6 +164,7 @@ class ControllerConfig:
         for name in (
             "unsafe_expiry",
             "estimate_history",
+            "bandwidth_history",
             "probe_cooldown_max",
             "fallback_flushes",
             "fallback_interval",
@@ -254,6 +269,7 @@ class GrantController:
         self._capacity_flushes: deque[int] = deque()
         self._fallback_reason: str | None = None
         self._counts: Counter[str] = Counter()
+        self._bandwidths: deque[float] = deque()  # bytes/s of the latest clean transfers
 
     # -- state ---------------------------------------------------------------------
 
@@ -325,7 +341,13 @@ class GrantController:
             self._now = 0
         return version
 
-    def grant(self, position: int, occurrence: int, ready: Iterable[int]) -> Grant:
+    def grant(
+        self,
+        position: int,
+        occurrence: int,
+        ready: Iterable[int],
+        window_s: float | None = None,
+    ) -> Grant:
         """A window OPENs: how much of the ready records may it carry?
 
         Args:
@@ -333,6 +355,8 @@ class GrantController:
             occurrence: the occurrence of the pattern this window belongs to.
             ready: sizes in bytes of the ready whole records, in drain order. Only the
                 granted prefix (plus one record) is read.
+            window_s: this position's duration in its previous occurrence (device
+                timeline), if known: a probe it rules out is not sent.
         """
         w = self._window(position)
         self._advance(_nonneg_int(occurrence, "occurrence"))
@@ -352,8 +376,18 @@ class GrantController:
         if first > budget:
             if occurrence < w.probe_allowed_from:
                 return self._make(position, occurrence, budget, (), GrantReason.COOLDOWN)
+            if self._too_short(first, window_s):
+                return self._make(position, occurrence, budget, (), GrantReason.TOO_SHORT)
             return self._grant(position, occurrence, budget, 1, first, GrantReason.PROBE)
         return self._make(position, occurrence, budget, _chain(first, sizes), reason)
+
+    def _too_short(self, nbytes: int, window_s: float | None) -> bool:
+        """Would ``nbytes`` at the recent bandwidth outlast a window of ``window_s``?"""
+        if window_s is None or not self._bandwidths:
+            return False
+        if not (_is_real(window_s) and math.isfinite(window_s) and window_s >= 0):
+            raise ValueError(f"window_s must be a finite number >= 0, got {window_s!r}")
+        return window_s * statistics.median(self._bandwidths) < nbytes
 
     def complete(
         self,
@@ -601,6 +635,9 @@ class GrantController:
         if transfer_s == 0 or nbytes == 0:
             return  # no bandwidth to measure
         config = self._config
+        self._bandwidths.append(nbytes / transfer_s)
+        while len(self._bandwidths) > config.bandwidth_history:
+            self._bandwidths.popleft()
         w.capacities.append(nbytes / transfer_s * window_s)
         while len(w.capacities) > config.estimate_history:
             w.capacities.popleft()

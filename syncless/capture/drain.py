@@ -405,7 +405,11 @@ class DrainWorker:
                 self._ctl.flush(FlushKind.OVERSIZED, occurrence)
         prefix = self._ready_prefix(self._staging_largest())
         with self._ctl_lock:
-            grant = self._ctl.grant(position, occurrence, (r.span for r in prefix))
+            pattern = self._ctl.pattern
+        period = pattern.period if pattern is not None else 0
+        last_s = self._last_duration(version, open_b, close_b, period) if prefix else None
+        with self._ctl_lock:
+            grant = self._ctl.grant(position, occurrence, (r.span for r in prefix), last_s)
         self._stats.add("window_grants_count")
         if grant.records == 0:
             return True
@@ -416,6 +420,26 @@ class DrainWorker:
             window=(version, open_b, close_b),
         )
         return True
+
+    def _last_duration(self, version: int, open_b: int, close_b: int, period: int) -> float | None:
+        """This window's duration in the previous occurrence, from its boundary stamps
+        (None when they are gone or it had none)."""
+        if period <= 0 or open_b < period:
+            return None
+        boundary = self._boundary
+        start = boundary.stamp(version, open_b - period)
+        end = boundary.stamp(version, close_b - period)
+        if start is None or end is None:
+            return None
+        seconds = self._timeline.elapsed_s(start, end)
+        if seconds is None or seconds < 0:
+            return None
+        if not (
+            boundary.still_owned(version, open_b - period)
+            and boundary.still_owned(version, close_b - period)
+        ):
+            return None  # a slot reused while it was read
+        return seconds
 
     def _batch(self) -> bool:
         if self._send_oversized_head():

@@ -409,6 +409,7 @@ def simulate(trace: Trace) -> dict[str, Any]:
     changes = deque(trace.changes)
     arrivals = trace.records()
     shrink = _jitter(trace)
+    last_window: dict[int, Fraction] = {}  # per position, its latest training occurrence
 
     def drain(path: str, overlapping: bool) -> None:
         nonlocal backlog_bytes
@@ -450,7 +451,13 @@ def simulate(trace: Trace) -> dict[str, Any]:
                     tally.by_path["oversized_flush"] += size
                     tally.overlapping += size
                     ctl.flush(FlushKind.OVERSIZED, occ)
-                grant = ctl.grant(pos, occ, backlog)
+                window = trace.overrides.get((occ, pos), window_us[pos] * shrink(occ, pos))
+                # The engine reads the previous occurrence's duration from its stamps.
+                previous = last_window.get(pos)
+                last_window[pos] = window
+                grant = ctl.grant(
+                    pos, occ, backlog, None if previous is None else float(previous) / 1e6
+                )
                 if grant.records == 0:
                     continue
                 for _ in range(grant.records):
@@ -459,7 +466,6 @@ def simulate(trace: Trace) -> dict[str, Any]:
                 tally.by_path["windows"] += grant.nbytes
                 tally.transfers += 1
 
-                window = trace.overrides.get((occ, pos), window_us[pos] * shrink(occ, pos))
                 delay = trace.stalls.get((occ, pos), Fraction(0))
                 lag = trace.late_close.get((occ, pos), Fraction(0))
                 duration = grant.nbytes / bytes_per_us

@@ -556,3 +556,31 @@ def test_bad_configs_are_rejected(config: dict, fragment: str) -> None:
     with pytest.raises(ValueError) as info:
         ControllerConfig(**config)
     assert fragment in str(info.value)
+
+
+def test_a_probe_that_timing_rules_out_is_not_sent():
+    ctl = GrantController(1000)
+    ctl.define_pattern(WindowPattern(4, [(0, 1), (2, 3)]))
+    # Position 0 measures the bandwidth: 100 bytes in 1 s.
+    g = ctl.grant(0, 0, [100])
+    ctl.complete(g, before_close=True, transfer_s=1.0, window_s=10.0)
+    # Position 1 overruns with 400 bytes: B = 400, so its budget (200) is below the record.
+    g = ctl.grant(1, 0, [400])
+    assert g.nbytes == 400
+    ctl.complete(g, before_close=False)
+    # 3 s at 100 B/s carries 300 bytes < 400: skipped; 5 s carries 500: probed.
+    g = ctl.grant(1, 1, [400], window_s=3.0)
+    assert (g.reason, g.records) == (GrantReason.TOO_SHORT, 0)
+    assert ctl.grant(1, 1, [400], window_s=5.0).reason is GrantReason.PROBE
+    assert ctl.grant(1, 1, [400]).reason is GrantReason.PROBE  # no duration: probe
+    assert ctl.counts()["grant/too_short"] == 1
+    with pytest.raises(ValueError, match="window_s"):
+        ctl.grant(1, 1, [400], window_s=float("nan"))
+
+
+def test_without_a_measured_bandwidth_timing_rules_nothing_out():
+    ctl = GrantController(1000)
+    ctl.define_pattern(WindowPattern(2, [(0, 1)]))
+    g = ctl.grant(0, 0, [400])
+    ctl.complete(g, before_close=False)  # no timings: no bandwidth
+    assert ctl.grant(0, 1, [400], window_s=1e-9).reason is GrantReason.PROBE

@@ -46,10 +46,14 @@ class ScriptedController(GrantController):
         self.script = list(records)
         self.offered: list[list[int]] = []
         self.completions: list[dict[str, Any]] = []
+        self.last_durations: list[float | None] = []
 
-    def grant(self, position: int, occurrence: int, ready: Any) -> Grant:
+    def grant(
+        self, position: int, occurrence: int, ready: Any, window_s: float | None = None
+    ) -> Grant:
         sizes = list(ready)
         self.offered.append(sizes)
+        self.last_durations.append(window_s)
         k = min(self.script.pop(0), len(sizes))
         base = super().grant(position, occurrence, ())  # version and epoch, no records
         nbytes = sum(sizes[:k])
@@ -177,6 +181,24 @@ def test_window_measurements_come_from_the_boundary_and_copy_stamps() -> None:
     over = window(30.0, 31.0, 31.0)  # the copy ends at the CLOSE: an overrun
     assert over["before_close"] is False
     assert [r.outcome for r in engine.window_reports()] == ["safe", "issued_late", "issued_late"]
+    engine.close()
+
+
+def test_a_grant_gets_the_window_duration_of_the_previous_occurrence() -> None:
+    clock = Clock()
+    ctl = ScriptedController(4096, [0, 0, 0])
+    engine = engine_for(ctl, clock=clock)
+    engine.define_pattern(ONE_WINDOW)
+    engine.capture("x", floats(16, 1.0))  # ready in every window: each one is granted
+    for open_t, close_t in ((10.0, 12.0), (20.0, 20.5), (30.0, 31.0)):
+        clock.t = open_t
+        engine.advance_boundary()
+        engine.poll()
+        clock.t = close_t
+        engine.advance_boundary()
+        engine.poll()
+    # Occurrence 0 has no previous one; 1 and 2 get the durations of 0 and 1.
+    assert ctl.last_durations == [None, 2.0, 0.5]
     engine.close()
 
 
