@@ -6,20 +6,26 @@ block's forward hook: a device-to-device copy into the engine's ring, drained to
 ``RUN_DIR/captures/`` by the engine's worker; read it back with
 ``syncless.capture.open(run_dir)``. Tags are ``layer_XX/hidden``.
 
-``--capture-windows`` (expert parallel): every all-to-all of the MoE layers is a
-critical region: the token dispatch and combine (forward and backward) and the counts
-exchange before each dispatch. A boundary is published on the stream just before and
-just after each one, so boundaries alternate begin / end, and the drain's D2H traffic
-goes between the all-to-alls (expert compute, attention, ...). The recurring pattern is
-one training step: step 0 runs without windows and counts its all-to-alls, m; from step
-1 on the pattern is ``WindowPattern(period=2m, windows=[(1, 2), (3, 4), ...])``, so each
-gap of the step is its own window position, with its own learnt byte budget (the gap
-between a counts exchange and its dispatch is microseconds, the one across attention is
-milliseconds: one budget shared by all of them overran the short ones on the H200s, at
-dbf18fc). A step whose all-to-alls differ in number would shift the pattern: the demo's
-steps do not. The counts exchange moves a few bytes, but
-its NCCL kernel runs, and spins, until the late rank arrives: left unbracketed, window
-copies overlapped it on the H200s (bench/capture_windows.py at b8113e6).
+``--capture-windows`` (expert parallel): every all-to-all of the MoE layers is in a
+critical region: the token dispatch and combine (forward and backward). The counts
+exchange before a dispatch opens the dispatch's region: the region runs from before
+the counts exchange, through the host's read of the counts, to after the dispatch. A
+boundary is published on the stream at each region's begin and end, so boundaries
+alternate begin / end, and the drain's D2H traffic goes between the regions (expert
+compute, attention, ...). The recurring pattern is one training step: step 0 runs
+without windows and counts its regions, m; from step 1 on the pattern is
+``WindowPattern(period=2m, windows=[(1, 2), (3, 4), ...])``, so each gap of the step is
+its own window position, with its own learnt byte budget (the gap across attention is
+milliseconds, the one across an expert computation far less: one budget shared by all
+of them overran the short ones on the H200s, at dbf18fc). A step whose all-to-alls
+differ in number would shift the pattern: the demo's steps do not.
+
+Why the counts exchange and its dispatch share a region: the counts exchange moves a
+few bytes, but its NCCL kernel runs, and spins, until the late rank arrives (left
+unbracketed, window copies overlapped it on the H200s, bench/capture_windows.py at
+b8113e6); bracketed on its own, the window between it and the dispatch is the host's
+read of the counts, tens of microseconds on the device timeline, which no captured
+record fits and which a copy issued there could only overrun into the dispatch.
 """
 
 from __future__ import annotations
@@ -62,7 +68,8 @@ class CaptureTool:
         self._handles: list = []
         self._step = 0
         self._on = False
-        self._comms = 0  # bracketed all-to-alls so far (step 0's set the pattern)
+        self._comms = 0  # critical regions so far (step 0's set the pattern)
+        self._in_region = False  # a counts exchange opened one its dispatch will end
         self._pattern_defined = False
 
     def attach(self, ctx: DemoContext) -> None:
@@ -99,7 +106,7 @@ class CaptureTool:
             dispatcher.comm = self._bracketed(dispatcher.comm)
 
     def _define_step_pattern(self) -> None:
-        """From the all-to-alls counted in step 0: one window after each (see module)."""
+        """From the regions counted in step 0: one window after each (see module)."""
         assert self.engine is not None
         m = self._comms
         if m == 0:
@@ -116,12 +123,16 @@ class CaptureTool:
         def bracketed(name: str, fn, *args, **kwargs):
             if not name.startswith(("moe_counts", "moe_dispatch", "moe_combine")):
                 return comm(name, fn, *args, **kwargs)
-            self._comms += 1
-            engine.advance_boundary()  # the critical region begins
+            if not self._in_region:
+                self._comms += 1
+                engine.advance_boundary()  # the critical region begins
+                self._in_region = True
             try:
                 return comm(name, fn, *args, **kwargs)
             finally:
-                engine.advance_boundary()  # ... and ends: a window opens
+                if not name.startswith("moe_counts"):  # its dispatch ends the region
+                    engine.advance_boundary()  # ... and ends: a window opens
+                    self._in_region = False
 
         return bracketed
 

@@ -114,10 +114,10 @@ def _windows_worker(rank, world, root):
 
 
 def test_capture_windows_bracket_every_token_all_to_all(tmp_path):
-    """Boundaries: one before and one after each MoE all-to-all. Ground truth from the
-    demo's dispatcher: per MoE layer and step, the counts exchange, dispatch and combine
-    in the forward and the two token backward all-to-alls, so 3 steps x 2 layers x 5 x 2
-    = 60 per rank. Step 0 counts them and runs without windows, so its captures go out by
+    """Boundaries: one before and one after each critical region. Ground truth from the
+    demo's dispatcher: per MoE layer and step, the counts exchange with its dispatch
+    (one region) and the combine in the forward, and the two token backward all-to-alls,
+    so 3 steps x 2 layers x 4 x 2 = 48 per rank. Step 0 counts them and runs without windows, so its captures go out by
     ordinary batching; from step 1 every capture goes out inside a window (CPU: the copy
     is synchronous, windows always fit)."""
     spawn_gloo(_windows_worker, 2, str(tmp_path / "run"))
@@ -133,7 +133,7 @@ def test_capture_windows_bracket_every_token_all_to_all(tmp_path):
     for rank in (0, 1):
         got = {name.rsplit("/", 1)[1]: value for r, name, value in rows if r == rank}
         assert got == {
-            "boundary_count": 60,
+            "boundary_count": 48,
             "captured_count": 6,
             "captured_bytes": 6 * record,
             "d2h_window_bytes": 4 * record,  # steps 1 and 2, 2 layers
