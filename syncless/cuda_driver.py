@@ -52,6 +52,11 @@ class Driver:
         caller that records on every span and binds it once."""
         return self._record
 
+    def write_fn(self) -> Any:
+        """``cuStreamWriteValue64`` itself, ``(stream, address, value, flags) ->
+        CUresult``, ``value`` already in ``[0, 2**64)``, for a caller that binds it once."""
+        return self._write
+
     def elapsed_into(self, out_ref: Any, start: int, end: int) -> bool:
         """``cuEventElapsedTime`` into a caller's ``ctypes.byref(c_float)``, no
         allocation per call; whether the driver gave a time."""

@@ -118,6 +118,39 @@ class DeviceTimeline(Timeline):
             return None
 
 
+class _EagerBoundary:
+    """One boundary as three driver calls, everything they need bound once: ~240
+    boundaries per step in the expert-parallel demo make every Python lookup on this
+    path host time of the training step."""
+
+    def __init__(
+        self, drv: Driver, device: int, word: int, counter: int, events: list[int]
+    ) -> None:
+        self._record, self._write = drv.record_fn(), drv.write_fn()
+        self._word, self._counter, self._events = word, counter, events
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self.stream: Callable[[], int] = (
+            (lambda: raw(device)) if raw is not None else (lambda: current_raw_stream(device))
+        )
+        self.capturing: Callable[[], bool] = getattr(
+            torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
+        )
+
+    @hot_path
+    def publish(self, stream: int, slot: int, count: int, word: int) -> bool:
+        """Stamp ``slot``, then the device count, then the host-visible word (in this
+        order on ``stream``: a word seen implies its stamp and count are there)."""
+        write = self._write
+        return (
+            self._record(self._events[slot], stream) == 0
+            and write(stream, self._counter, count, 0) == 0
+            and write(stream, self._word, word & _U64, 0) == 0
+        )
+
+
+_U64 = (1 << 64) - 1
+
+
 def _signed64(value: int) -> int:
     """``value`` (0 <= value < 2**64) as the int64 with the same bits."""
     return value - (1 << 64) if value >= 1 << 63 else value
@@ -159,11 +192,10 @@ class BoundaryClock:
         self._published = 0  # host mirror of the device count (eager execution)
         # Eager boundaries through the driver; dropped for good once a boundary is
         # captured in a CUDA graph (replays advance the device count, not the mirror).
-        self._eager: tuple[Driver, int] | None = self._eager_path() if self._cuda else None
+        self._eager: _EagerBoundary | None = self._eager_path() if self._cuda else None
 
-    def _eager_path(self) -> tuple[Driver, int] | None:
-        """The driver and the pinned word's device address, if the driver takes a probe
-        write of the current word (0)."""
+    def _eager_path(self) -> _EagerBoundary | None:
+        """The driver path, if the driver takes a probe write of the current word (0)."""
         drv = driver()
         address = None if drv is None else drv.host_device_pointer(self._host)
         if drv is None or address is None:
@@ -171,7 +203,10 @@ class BoundaryClock:
         stream = current_raw_stream(self._device.index)
         for ev in self._stamps:  # torch creates each CUevent at its first record
             ev.record(torch.cuda.current_stream(self._device))
-        return (drv, address) if drv.stream_write_u64(stream, address, 0) else None
+        if not drv.stream_write_u64(stream, address, 0):
+            return None
+        return _EagerBoundary(drv, self._device.index, address, self._counter_address,
+                              [ev.cuda_event for ev in self._stamps])  # fmt: skip
 
     @hot_path
     def advance(self, stream: Any = None) -> None:
@@ -198,17 +233,13 @@ class BoundaryClock:
     def _advance_eager(self, stream: Any, slot: int, count: int) -> bool:
         """Stamp, device count and word by the driver; False (and the torch path from
         now on) under graph capture or if the driver refuses."""
-        assert self._eager is not None
-        if torch.cuda.is_current_stream_capturing():
+        eager = self._eager
+        assert eager is not None
+        if eager.capturing():
             self._eager = None
             return False
-        drv, word_address = self._eager
-        handle = current_raw_stream(self._device.index) if stream is None else stream.cuda_stream
-        if (
-            drv.event_record(self._stamps[slot].cuda_event, handle)
-            and drv.stream_write_u64(handle, self._counter_address, count)
-            and drv.stream_write_u64(handle, word_address, self._version_word | count)
-        ):
+        handle = eager.stream() if stream is None else stream.cuda_stream
+        if eager.publish(handle, slot, count, self._version_word | count):
             return True
         self._eager = None
         # Whatever part went through, the torch path below then publishes count.
