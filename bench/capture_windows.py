@@ -145,6 +145,8 @@ def worker(args: argparse.Namespace) -> None:
             if reference is not None and rank == 0:
                 print(f"{mode} round 0, rank 0, capture counters over the run: "
                       + ", ".join(f"{k} {v:g}" for k, v in counters(run_dir).items()))  # fmt: skip
+                if mode == "windows" and tool.engine is not None:
+                    print_window_log(tool.engine, args.warmup, args.steps - 2)
             if reference is not None:
                 exact, n = byte_exact(run_dir, rank, reference)
                 inside, total = overlap_ms(reference.events)
@@ -170,6 +172,22 @@ def counters(run_dir: Path) -> dict[str, float]:
     out = {k: sum(metric_values(run_dir, f"capture/step/{k}")) for k in COUNTERS}
     out["fallback"] = max(metric_values(run_dir, "capture/step/fallback"), default=0.0)
     return out
+
+
+def print_window_log(engine, first: int, last: int) -> None:
+    """Why the windows moved what they moved: the controller's counts over the run, and
+    each window transfer that overran in the profiled steps (occurrence k is step k+1:
+    step 0 counts the regions and runs without windows)."""
+    counts = engine.controller.counts()
+    print("windows round 0, rank 0, controller counts: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))  # fmt: skip
+    for r in engine.window_reports():
+        if first <= r.occurrence + 1 <= last and not r.before_close:
+            window = "?" if r.window_s is None else f"{r.window_s * 1e3:.3f}"
+            copy = "?" if r.transfer_s is None else f"{r.transfer_s * 1e3:.3f}"
+            print(f"  overrun: step {r.occurrence + 1} position {r.position} "
+                  f"{r.moved_bytes} B (budget {r.budget}, probe {r.probe}) copy {copy} ms "
+                  f"window {window} ms outcome {r.outcome}")  # fmt: skip
 
 
 def byte_exact(run_dir: Path, rank: int, reference: Reference) -> tuple[bool, int]:
