@@ -142,11 +142,11 @@ def worker(args: argparse.Namespace) -> None:
             boundary_ms[mode] += metric_values(
                 run_dir, "capture/self/boundary_host_ms", args.warmup, rank
             )
+            if reference is not None and mode == "windows" and tool.engine is not None:
+                print_window_log(tool.engine, rank, args.warmup, args.steps - 2)
             if reference is not None and rank == 0:
-                print(f"{mode} round 0, rank 0, capture counters over the run: "
+                print(f"{mode} round 0, capture counters over the run, both ranks: "
                       + ", ".join(f"{k} {v:g}" for k, v in counters(run_dir).items()))  # fmt: skip
-                if mode == "windows" and tool.engine is not None:
-                    print_window_log(tool.engine, args.warmup, args.steps - 2)
             if reference is not None:
                 exact, n = byte_exact(run_dir, rank, reference)
                 inside, total = overlap_ms(reference.events)
@@ -174,18 +174,18 @@ def counters(run_dir: Path) -> dict[str, float]:
     return out
 
 
-def print_window_log(engine, first: int, last: int) -> None:
+def print_window_log(engine, rank: int, first: int, last: int) -> None:
     """Why the windows moved what they moved: the controller's counts over the run, and
     each window transfer that overran in the profiled steps (occurrence k is step k+1:
     step 0 counts the regions and runs without windows)."""
     counts = engine.controller.counts()
-    print("windows round 0, rank 0, controller counts: "
+    print(f"windows round 0, rank {rank}, controller counts: "
           + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))  # fmt: skip
     for r in engine.window_reports():
         if first <= r.occurrence + 1 <= last and not r.before_close:
             window = "?" if r.window_s is None else f"{r.window_s * 1e3:.3f}"
             copy = "?" if r.transfer_s is None else f"{r.transfer_s * 1e3:.3f}"
-            print(f"  overrun: step {r.occurrence + 1} position {r.position} "
+            print(f"  rank {rank} overrun: step {r.occurrence + 1} position {r.position} "
                   f"{r.moved_bytes} B (budget {r.budget}, probe {r.probe}) copy {copy} ms "
                   f"window {window} ms outcome {r.outcome}")  # fmt: skip
 
@@ -208,6 +208,8 @@ def byte_exact(run_dir: Path, rank: int, reference: Reference) -> tuple[bool, in
 def report(args: argparse.Namespace, per_rank: list[dict]) -> None:
     parts = []
     for mode in MODES:
+        print(f"{mode}: D2H inside all-to-alls per rank "
+              + ", ".join(f"{r[mode][0]:.3f} of {r[mode][1]:.2f} ms" for r in per_rank))  # fmt: skip
         inside = max(r[mode][0] for r in per_rank)
         total = max(r[mode][1] for r in per_rank)
         exact = all(r[mode][2] for r in per_rank)
