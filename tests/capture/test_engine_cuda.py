@@ -104,3 +104,58 @@ def test_eager_boundaries_are_driver_writes_and_count_exactly() -> None:
     assert int(clock._counter) == 50  # the device count a later graph would go on from
     assert clock.read() == (version, 50)
     engine.close()
+
+
+def _armed_engine() -> tuple[CaptureEngine, MemorySink]:
+    sink = MemorySink()
+    engine = CaptureEngine(16 << 20, 4 << 20, sink, background=False)
+    engine.define_pattern(WindowPattern(2, [(0, 1)]))
+    torch.cuda.synchronize()  # the new pattern's word has reached the host
+    return engine, sink
+
+
+def test_an_armed_copy_starts_at_its_window_open() -> None:
+    """The copy for the next window is enqueued ahead and held on the device until the
+    stream reaches the window's OPEN, however long the host takes to publish it."""
+    engine, sink = _armed_engine()
+    drain = engine._drain
+    if not engine._boundary.can_gate:
+        pytest.skip("the driver refuses stream waits here: the observed-OPEN path is used")
+    x = torch.arange(1 << 16, device="cuda", dtype=torch.float32)
+    with no_sync():
+        engine.capture("x", x, step=0)
+    torch.cuda.synchronize()  # the record is ready
+    engine.poll()
+    assert engine.counters()["window_armed_count"] == 1
+    held = drain._armed
+    assert held is not None
+    torch.cuda._sleep(50_000_000)  # the device is busy; the host is not waiting for it
+    torch.cuda.synchronize()
+    assert not held[1].query()  # still held: its window has not opened
+    with no_sync():
+        engine.advance_boundary()  # OPEN
+        torch.cuda._sleep(20_000_000)  # a window of milliseconds
+        engine.advance_boundary()  # CLOSE
+    torch.cuda.synchronize()
+    assert held[1].query()
+    for _ in range(3):
+        engine.poll()
+    (report,) = engine.window_reports()
+    assert report.before_close and not report.issued_late and not report.close_late
+    engine.close()
+    assert torch.equal(sink.records[0].tensor(), x.cpu())
+
+
+def test_close_releases_a_copy_held_for_a_window_that_never_comes() -> None:
+    engine, sink = _armed_engine()
+    if not engine._boundary.can_gate:
+        pytest.skip("the driver refuses stream waits here: the observed-OPEN path is used")
+    x = torch.randn(1 << 16, device="cuda")
+    engine.capture("x", x)
+    torch.cuda.synchronize()
+    engine.poll()
+    assert engine._drain._armed is not None
+    engine.close()  # no boundary is ever published: close must not hang
+    assert torch.equal(sink.records[0].tensor(), x.cpu())
+    assert engine.counters()["window_released_count"] == 1
+    assert [r.outcome for r in engine.window_reports()] in ([], ["issued_late"])
