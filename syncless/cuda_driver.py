@@ -25,12 +25,11 @@ from typing import Any
 import torch
 
 _U64 = (1 << 64) - 1
-_WAIT_VALUE_GEQ = 0x0  # CUstreamWaitValue_flags
 
 
 class Driver:
-    """``cuEventRecord``, ``cuEventElapsedTime``, ``cuStreamWriteValue64``,
-    ``cuStreamWaitValue64`` and ``cuMemHostGetDevicePointer``."""
+    """``cuEventRecord``, ``cuEventElapsedTime``, ``cuStreamWriteValue64`` and
+    ``cuMemHostGetDevicePointer``."""
 
     def __init__(self, lib: Any) -> None:
         self._record = lib.cuEventRecord
@@ -41,8 +40,6 @@ class Driver:
         self._elapsed = elapsed
         self._write = lib.cuStreamWriteValue64_v2
         self._write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-        self._wait = lib.cuStreamWaitValue64_v2
-        self._wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
         self._host_ptr = lib.cuMemHostGetDevicePointer_v2
         self._host_ptr.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
 
@@ -69,12 +66,6 @@ class Driver:
         """Write ``value`` (any int; its low 64 bits) at device ``address`` when the
         stream reaches this point."""
         return self._write(stream, address, value & _U64, 0) == 0
-
-    def stream_wait_geq_u64(self, stream: int, address: int, value: int) -> bool:
-        """Hold ``stream`` until the 64-bit word at ``address`` (device memory, or mapped
-        pinned host memory) is at least ``value`` in the driver's cyclic order:
-        ``(int64)(word - value) >= 0`` (``CU_STREAM_WAIT_VALUE_GEQ``)."""
-        return self._wait(stream, address, value & _U64, _WAIT_VALUE_GEQ) == 0
 
     def host_device_pointer(self, host: torch.Tensor) -> int | None:
         """The device address of pinned host memory (``None`` if it is not mapped)."""

@@ -192,10 +192,6 @@ class BoundaryClock:
         self._published = 0  # host mirror of the device count (eager execution)
         # Eager boundaries through the driver; dropped for good once a boundary is
         # captured in a CUDA graph (replays advance the device count, not the mirror).
-        # Copies held on the device until a boundary (see gate); set by _eager_path.
-        self._gate: tuple[Driver, int] | None = None
-        self._released: int | None = None  # the word a release() wrote, until replaced
-        self._last_read = (0, 0)
         self._eager: _EagerBoundary | None = self._eager_path() if self._cuda else None
 
     def _eager_path(self) -> _EagerBoundary | None:
@@ -209,7 +205,6 @@ class BoundaryClock:
             ev.record(torch.cuda.current_stream(self._device))
         if not drv.stream_write_u64(stream, address, 0):
             return None
-        self._gate = (drv, address)
         return _EagerBoundary(drv, self._device.index, address, self._counter_address,
                               [ev.cuda_event for ev in self._stamps])  # fmt: skip
 
@@ -279,54 +274,8 @@ class BoundaryClock:
         self._publish_word(increment=False)
 
     def read(self) -> tuple[int, int]:
-        """The latest ``(version, count)`` the host can see (a word written by
-        :meth:`release` reads as the last one before it)."""
-        word = int(self._host_view[0])
-        if self._released is not None:
-            if word == self._released:
-                return self._last_read
-            self._released = None  # a boundary has replaced it
-        self._last_read = unpack(word)
-        return self._last_read
-
-    @property
-    def can_gate(self) -> bool:
-        """Whether :meth:`gate` can hold a stream on the device (CUDA, with the driver)."""
-        return self._gate is not None
-
-    def gate(self, stream: int, version: int, boundary: int) -> int | None:
-        """Hold ``stream`` (a raw ``CUstream``) until the framework's stream reaches
-        ``boundary`` under ``version``: a wait on the host-visible word, which the
-        framework's stream writes at every boundary, so the held work starts when the
-        boundary is reached, however late the host looks. Returns the word waited for
-        (for :meth:`release`), or None (and never again) if the driver refuses.
-
-        The driver's comparison is cyclic, ``(int64)(word - target) >= 0``: a word of
-        a later pattern version passes too, so a new pattern never strands a held copy.
-        """
-        if self._gate is None:
-            return None
-        drv, address = self._gate
-        target = (version << COUNTER_BITS) | (boundary + 1)
-        if drv.stream_wait_geq_u64(stream, address, target):
-            return target
-        self._gate = None
-        return None
-
-    @property
-    def releasing(self) -> bool:
-        """A :meth:`release` word is still in place (no boundary has replaced it yet, as
-        of the last :meth:`read`): nothing new may be gated until one has."""
-        return self._released is not None
-
-    def release(self, target: int) -> None:
-        """Let a stream held by :meth:`gate` for ``target`` go now: the host writes a
-        word past it (the next boundary the framework publishes overwrites it). A
-        boundary written at the same moment can overwrite the release: a caller that
-        must see the held work start calls this until it has."""
-        word = _signed64((target + (1 << 62)) & _U64)
-        self._released = word
-        self._host_view[0] = word
+        """The latest ``(version, count)`` the host can see."""
+        return unpack(int(self._host_view[0]))
 
     def stamp(self, version: int, boundary: int) -> Stamp | None:
         """The stamp of ``boundary`` under ``version``, or None if it is no longer (or

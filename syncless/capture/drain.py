@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-import time
 from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from typing import Any, NamedTuple
 import torch
 
 from syncless.capture.boundary import BoundaryClock, Stamp
-from syncless.capture.controller import FlushKind, Grant, GrantController, GrantReason
+from syncless.capture.controller import FlushKind, Grant, GrantController
 from syncless.capture.records import READY, VOID, WRITTEN, Record, RecordQueue
 from syncless.capture.ring import ByteRing
 from syncless.capture.sink import CapturedRecord
@@ -55,8 +54,6 @@ __all__ = ["DrainWorker", "WindowReport"]
 # the copy stream while the host finishes the previous one (releases its ring space,
 # hands it to the writer), so the host's turnaround does not show up as idle PCIe time.
 _MAX_INFLIGHT = 2
-# An armed drain with nothing to do sleeps this long at most (captures wake it).
-_IDLE_WAIT_S = 0.01
 
 
 class WindowReport(NamedTuple):
@@ -92,7 +89,6 @@ class _Transfer:
     open_b: int = 0
     close_b: int = 0
     seen_done_at: int = 0  # the boundary count when the host saw the copy done
-    gate: int | None = None  # armed: the boundary word the copy stream waits for
 
 
 @dataclass(eq=False)
@@ -149,11 +145,6 @@ class DrainWorker:
         self._open: tuple[int, int, int, int, int] | None = None  # occ, pos, open, close, ver
         self._handled: tuple[int, int, int] | None = None  # (version, occ, pos) last granted
         self._occurrence = 0
-        # Armed windows (CUDA with the driver): the next window's copy is enqueued ahead,
-        # held on the device until its OPEN (see _arm). The earliest OPEN not decided yet
-        # (version, boundary), and the armed copy still held: (gate word, start stamp).
-        self._arm_from: tuple[int, int] = (-1, 0)
-        self._armed: tuple[int, Stamp] | None = None
         self.reports: deque[WindowReport] = deque(maxlen=reports)
         self.error: BaseException | None = None
         self._wake = threading.Event()
@@ -174,7 +165,6 @@ class DrainWorker:
     def stop(self) -> None:
         """Stop the thread (after the caller drained what it wanted) and report every
         window transfer still waiting for its CLOSE as not evidence."""
-        self.release_armed()
         if self._thread is not None:
             self._stopping = True
             self._wake.set()
@@ -207,28 +197,7 @@ class DrainWorker:
             else:
                 self._requests.append(req)
         self._wake.set()
-        self.release_armed()  # the drain may be asleep behind a copy held for a window
         return req
-
-    def release_armed(self, timeout_s: float = 1.0) -> None:
-        """Let the armed window copy (if any) start now, and wait until it has.
-
-        Any thread: requests, suspend() and close() call it, since the drain may be
-        asleep until that copy ends and the window it waits for may never come (the
-        training thread is the one waiting, or training has stopped). A boundary
-        published at the same moment can overwrite the release, so it is written again
-        until the copy has started (bounded by ``timeout_s``)."""
-        armed = self._armed
-        if armed is None:
-            return
-        target, start = armed
-        if self._timeline.done(start):
-            return  # its window opened already
-        self._stats.add("window_released_count")
-        deadline = time.monotonic() + timeout_s
-        while not self._timeline.done(start) and time.monotonic() < deadline:
-            self._boundary.release(target)
-            time.sleep(50e-6)
 
     def wait(self, req: _Request) -> None:
         """Wait for ``req``: on the worker, or by stepping the drain here (inline mode)."""
@@ -253,14 +222,7 @@ class DrainWorker:
         """
         windowed = self._windowed()
         if self._inflight and (self._timeline.blocks or not windowed):
-            if self._requests:
-                # A request that came while the copy was being armed found nothing to
-                # release: release it here, or this wait may outlast the training step
-                # that is waiting on the request.
-                self.release_armed()
             self._timeline.wait(self._inflight[0].end)
-            return
-        if windowed and self._timeline.blocks and self._boundary.can_gate and self._idle_armed():
             return
         # Once per boundary: a stamp that was only captured in a CUDA graph (or is not
         # recorded yet) returns at once and must not become a spin.
@@ -272,34 +234,6 @@ class DrainWorker:
                 return
         self._wake.wait(self._poll)
         self._wake.clear()
-
-    def _idle_armed(self) -> bool:
-        """Armed windows, nothing in flight: sleep until the next thing that can change
-        what to do, once each (a window copy's CLOSE, the oldest record's copy into the
-        ring, a capture); False to fall back to waiting for the next boundary (ready
-        records that no window granted yet)."""
-        if self._awaiting:
-            t = self._awaiting[0]
-            stamp = self._boundary.stamp(t.version, t.close_b)
-            key = ("close", t.version, t.close_b)
-            if stamp is not None and self._waited != key:
-                self._waited = key
-                self._timeline.wait(stamp)
-                return True
-        i = self._inflight_records
-        if len(self._queue) > i:
-            rec = self._queue.peek(i)
-            if rec.state == WRITTEN and rec.event is not None and not rec.event.query():
-                rec.event.synchronize()  # releases the GIL
-                return True
-            return False
-        self._wake.wait(_IDLE_WAIT_S)  # capture() wakes the drain
-        self._wake.clear()
-        return True
-
-    def notify(self) -> None:
-        """A record was captured (the engine calls this): wake an idle armed drain."""
-        self._wake.set()
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -351,8 +285,6 @@ class DrainWorker:
         return progressed
 
     def _finish_one(self, t: _Transfer) -> None:
-        if t.gate is not None and self._armed is not None and self._armed[0] == t.gate:
-            self._armed = None
         self._inflight_records -= t.count
         if t.count:
             self._queue.release(t.count)
@@ -389,10 +321,6 @@ class DrainWorker:
         self._seen = (version, count)
         if not windowed or version != current or pattern is None:
             self._open = None
-            return
-        if self._boundary.can_gate:  # armed windows: decided ahead, never "missed"
-            if count:
-                self._occurrence = pattern.locate(count - 1)[0]
             return
         if count == prev or count == 0:
             return
@@ -465,8 +393,6 @@ class DrainWorker:
     # -- 4. windows, or ordinary batching --------------------------------------------------
 
     def _serve_window(self) -> bool:
-        if self._boundary.can_gate:
-            return self._arm()
         if self._open is None:
             return False
         occurrence, position, open_b, close_b, version = self._open
@@ -494,48 +420,6 @@ class DrainWorker:
             window=(version, open_b, close_b),
         )
         return True
-
-    def _arm(self) -> bool:
-        """Enqueue the copy for the next window ahead of its OPEN, held on the device.
-
-        The copy stream waits on the boundary word for the window's OPEN
-        (``BoundaryClock.gate``), so the copy starts when the framework's stream reaches
-        the OPEN, not when this thread next gets the GIL: on a host-bound step a Python
-        drain can wait milliseconds for it, longer than a window. Windows are decided
-        in order from the first whose OPEN the stream has not reached; one whose
-        grant is empty (cooldown, too short) is passed over for the next. One armed
-        copy at a time; the drain then sleeps until it ends."""
-        if self._armed is not None or self._inflight or self._boundary.releasing:
-            return False
-        prefix = self._ready_prefix(self._staging_largest())
-        if not prefix:
-            return False
-        with self._ctl_lock:
-            pattern, version = self._ctl.pattern, self._ctl.version
-        seen_version, count = self._seen
-        if pattern is None or seen_version != version:
-            return False  # the new pattern's restart has not reached the stream yet
-        first = count if self._arm_from[0] != version else max(count, self._arm_from[1])
-        for occurrence, position, open_b, close_b in _windows_from(pattern, first):
-            self._arm_from = (version, open_b + 1)
-            last_s = self._last_duration(version, open_b, close_b, pattern.period)
-            with self._ctl_lock:
-                grant = self._ctl.grant(position, occurrence, (r.span for r in prefix), last_s)
-            self._stats.add("window_grants_count")
-            if grant.reason in (GrantReason.SUSPENDED, GrantReason.FALLBACK):
-                return False  # no windows any more: the batching path takes over
-            if grant.records == 0:
-                continue
-            with self._copy_context():
-                assert self._copy_stream is not None
-                target = self._boundary.gate(self._copy_stream.cuda_stream, version, open_b)
-            if target is None:
-                return False  # the driver refused: the observed-OPEN path from now on
-            self._issue(prefix[: grant.records], "window", grant=grant,
-                        window=(version, open_b, close_b), gate=target)  # fmt: skip
-            self._stats.add("window_armed_count")
-            return True
-        return False
 
     def _last_duration(self, version: int, open_b: int, close_b: int, period: int) -> float | None:
         """This window's duration in the previous occurrence, from its boundary stamps
@@ -625,10 +509,8 @@ class DrainWorker:
         kind: str,
         grant: Grant | None = None,
         window: tuple[int, int, int] | None = None,
-        gate: int | None = None,
     ) -> None:
-        """Copy ``records`` (the oldest ready ones) into staging, back to back (after
-        the copy stream's wait for ``gate``, when armed)."""
+        """Copy ``records`` (the oldest ready ones) into staging, back to back."""
         live = [r for r in records if r.state != VOID]
         moved = sum(r.span for r in live)
         base = 0
@@ -667,9 +549,6 @@ class DrainWorker:
         if grant is not None and window is not None:
             t.grant = grant
             t.version, t.open_b, t.close_b = window
-        if gate is not None:
-            t.gate = gate
-            self._armed = (gate, start)
         self._inflight.append(t)
         self._inflight_records += t.count
         self._finish()  # on CPU the copy has landed already
@@ -718,9 +597,7 @@ class DrainWorker:
         if open_stamp is not None:
             delay = timeline.elapsed_s(open_stamp, t.start)
             if delay is not None and boundary.still_owned(t.version, t.open_b):
-                # A copy that started before its OPEN was released early (armed): like a
-                # late one, it says nothing about the window.
-                issued_late = delay > self._late_issue_s or delay < 0
+                issued_late = delay > self._late_issue_s
         transfer_s = timeline.elapsed_s(t.start, t.end)
         # Host observation, used only when the CLOSE's stamp is lost (then close_late).
         before_close = t.seen_done_at <= t.close_b
@@ -787,19 +664,6 @@ def _runs(records: list[Record], base: int) -> tuple[list[tuple[int, int, int]],
             runs.append((r.offset, pos, r.span))
         pos += r.span
     return runs, positions
-
-
-def _windows_from(pattern: WindowPattern, first: int) -> list[tuple[int, int, int, int]]:
-    """The windows whose OPEN boundary is ``first`` or later, one period's worth:
-    ``(occurrence, position, open boundary, close boundary)``, in order."""
-    occurrence, phase = divmod(first, pattern.period)
-    out = []
-    for occ in (occurrence, occurrence + 1):
-        base = occ * pattern.period
-        for position, (begin, end) in enumerate(pattern.windows):
-            if occ > occurrence or begin >= phase:
-                out.append((occ, position, base + begin, base + end))
-    return out[: len(pattern.windows)]
 
 
 def _opens_upto(pattern: WindowPattern, boundary: int) -> int:

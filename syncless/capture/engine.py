@@ -367,7 +367,6 @@ class CaptureEngine:
             self._stats.drop(DropReason.COPY_ERROR, rec.nbytes)
             raise
         rec.state = WRITTEN
-        self._drain.notify()
         self._stats.add2("captured_count", 1, "captured_bytes", rec.nbytes)
 
     @hot_path
@@ -433,7 +432,6 @@ class CaptureEngine:
         self._check_open("suspend")
         with self._ctl_lock:
             self._ctl.suspend()
-        self._drain.release_armed()  # its window may not come before resume()
 
     def resume(self) -> None:
         """Leave the phase entered by :meth:`suspend`."""
