@@ -292,6 +292,11 @@ class BoundaryClock:
         return self._owner[boundary % self._pool] == (version << COUNTER_BITS | boundary)
 
     @property
+    def version(self) -> int:
+        """The pattern version the host publishes boundaries under."""
+        return self._version_word >> COUNTER_BITS
+
+    @property
     def published(self) -> int:
         """Boundaries published by this process's host under the current version."""
         return self._published

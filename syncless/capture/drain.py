@@ -9,9 +9,11 @@ One loop, on a thread of its own (or stepped by the caller, ``background=False``
    went unseen;
 3. **serve requests** first: ``flush()``/``close()`` (lifecycle) and captures waiting
    on a full ring (capacity, block) drain outside the windows;
-4. then, with a pattern (not suspended, no fallback): at a window's OPEN, ask the
-   controller for a grant and copy exactly the granted prefix of ready records; without
-   one (ordinary batching): copy the largest ready prefix that fits in staging.
+4. then, with a pattern (not suspended, no fallback): ask the controller for a grant
+   and copy exactly the granted prefix of ready records in the window (on CUDA planned
+   ahead and launched at the OPEN by ``advance_boundary()``, see :meth:`DrainWorker.
+   launch_plan`; on the CPU when the drain sees the OPEN); without one (ordinary
+   batching): copy the largest ready prefix that fits in staging.
 
 A transfer is the oldest ready records, whole, packed back to back into the pinned
 staging ring by one copy per contiguous run of the device ring (two when the records
@@ -40,13 +42,14 @@ from typing import Any, NamedTuple
 import torch
 
 from syncless.capture.boundary import BoundaryClock, Stamp
-from syncless.capture.controller import FlushKind, Grant, GrantController
+from syncless.capture.controller import FlushKind, Grant, GrantController, GrantReason
 from syncless.capture.records import READY, VOID, WRITTEN, Record, RecordQueue
 from syncless.capture.ring import ByteRing
 from syncless.capture.sink import CapturedRecord
 from syncless.capture.stats import CaptureStats
 from syncless.capture.windows import WindowPattern
 from syncless.capture.writer import Batch, SinkWriter
+from syncless.hot_path import hot_path
 
 __all__ = ["DrainWorker", "WindowReport"]
 
@@ -54,6 +57,13 @@ __all__ = ["DrainWorker", "WindowReport"]
 # the copy stream while the host finishes the previous one (releases its ring space,
 # hands it to the writer), so the host's turnaround does not show up as idle PCIe time.
 _MAX_INFLIGHT = 2
+# A planned drain with nothing to do sleeps this long at most: a launch or a capture
+# wakes it.
+_IDLE_WAIT_S = 0.01
+# torch.cuda.is_current_stream_capturing's C function (launch_plan runs per boundary).
+_capturing = getattr(
+    torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
+)
 
 
 class WindowReport(NamedTuple):
@@ -89,6 +99,17 @@ class _Transfer:
     open_b: int = 0
     close_b: int = 0
     seen_done_at: int = 0  # the boundary count when the host saw the copy done
+
+
+@dataclass(eq=False)
+class _Plan:
+    """A window copy decided ahead of its OPEN; ``advance_boundary()`` launches it there."""
+
+    version: int
+    open_b: int
+    close_b: int
+    grant: Grant
+    records: list[Record]
 
 
 @dataclass(eq=False)
@@ -145,6 +166,14 @@ class DrainWorker:
         self._open: tuple[int, int, int, int, int] | None = None  # occ, pos, open, close, ver
         self._handled: tuple[int, int, int] | None = None  # (version, occ, pos) last granted
         self._occurrence = 0
+        # Planned windows (CUDA): the next window's copy, decided here and launched by
+        # the framework's thread when it publishes the OPEN (launch_plan), and the
+        # launched transfers it hands back. Windows are planned in order from the first
+        # OPEN not decided yet: (version, boundary).
+        self.plan: _Plan | None = None
+        self._plan_lock = threading.Lock()
+        self._launched: deque[_Transfer] = deque()
+        self._plan_from: tuple[int, int] = (-1, 0)
         self.reports: deque[WindowReport] = deque(maxlen=reports)
         self.error: BaseException | None = None
         self._wake = threading.Event()
@@ -165,6 +194,7 @@ class DrainWorker:
     def stop(self) -> None:
         """Stop the thread (after the caller drained what it wanted) and report every
         window transfer still waiting for its CLOSE as not evidence."""
+        self._drop_plan()
         if self._thread is not None:
             self._stopping = True
             self._wake.set()
@@ -224,6 +254,8 @@ class DrainWorker:
         if self._inflight and (self._timeline.blocks or not windowed):
             self._timeline.wait(self._inflight[0].end)
             return
+        if windowed and self._copy_stream is not None and self._idle_planned():
+            return
         # Once per boundary: a stamp that was only captured in a CUDA graph (or is not
         # recorded yet) returns at once and must not become a spin.
         if windowed and self._timeline.blocks and self._waited != self._seen:
@@ -234,6 +266,123 @@ class DrainWorker:
                 return
         self._wake.wait(self._poll)
         self._wake.clear()
+
+    def _idle_planned(self) -> bool:
+        """Planned windows, nothing in flight: sleep until the next thing that can change
+        what to do, once each (a window copy's CLOSE, the oldest record's copy into the
+        ring, a launch or a capture, which wake the drain); False to wait for the next
+        boundary instead (ready records that no window of the next period granted)."""
+        if self._awaiting:
+            t = self._awaiting[0]
+            stamp = self._boundary.stamp(t.version, t.close_b)
+            key = ("close", t.version, t.close_b)
+            if stamp is not None and self._waited != key:
+                self._waited = key
+                self._timeline.wait(stamp)
+                return True
+        if self.plan is None:
+            i = self._inflight_records
+            if len(self._queue) > i:
+                rec = self._queue.peek(i)
+                if rec.state == WRITTEN and rec.event is not None and not rec.event.query():
+                    rec.event.synchronize()  # releases the GIL
+                    return True
+                if self._ready(rec):
+                    return False
+        self._wake.wait(_IDLE_WAIT_S)
+        self._wake.clear()
+        return True
+
+    def notify(self) -> None:
+        """A record was captured (the engine calls this): wake an idle drain."""
+        self._wake.set()
+
+    # -- planned windows: the framework's thread launches at the OPEN -------------------
+
+    @hot_path
+    def launch_plan(self, version: int, boundary: int, stream: Any) -> None:
+        """``advance_boundary()`` published ``boundary``: if the planned copy waits for
+        it, launch it now, on the copy stream behind the boundary's stamp.
+
+        Why the framework's thread: it is there when the OPEN is published, while a
+        drain thread that reacts to the OPEN needs the GIL first, and a host-bound
+        training thread keeps it for up to the 5 ms switch interval, longer than most
+        windows. The launch is one stream wait, two stamps and a copy per contiguous
+        run of records (a few per captured record, tens of microseconds); every other
+        decision was made by the drain beforehand. The copy stream waits on an event
+        already recorded, so nothing is held for a boundary not yet published (a copy
+        held for a future boundary would stall ``torch.cuda.synchronize()`` until it).
+        """
+        plan = self.plan
+        if plan is None or plan.open_b != boundary or plan.version != version:
+            return
+        if _capturing():
+            return  # a graph would replay the copy: the drain drops the plan
+        with self._plan_lock:
+            if self.plan is not plan:
+                return
+            self.plan = None
+        t = self._copy(plan.records, "window", self._boundary.stamp(version, boundary))
+        if t is None:
+            self._stats.add("window_plan_dropped_count")
+        else:
+            t.grant = plan.grant
+            t.version, t.open_b, t.close_b = version, plan.open_b, plan.close_b
+            self._launched.append(t)
+            self._stats.add("window_launched_count")
+        self._wake.set()
+
+    def _absorb_launched(self) -> None:
+        """Take the transfers launch_plan() made into this thread's bookkeeping."""
+        while self._launched:
+            t = self._launched.popleft()
+            self._inflight.append(t)
+            self._inflight_records += t.count
+
+    def _drop_plan(self) -> None:
+        with self._plan_lock:
+            dropped, self.plan = self.plan, None
+        if dropped is not None:
+            self._stats.add("window_plan_dropped_count")
+        self._absorb_launched()
+
+    def _plan_window(self) -> bool:
+        """Decide the copy of the next window whose OPEN is not published yet.
+
+        Windows are decided in order; one whose grant is empty (cooling down, too
+        short) is passed over for the next, at most one period ahead. One window copy
+        at a time: planned, launched or in flight."""
+        plan = self.plan
+        if plan is not None:
+            published = self._boundary.published
+            if self._boundary.version == plan.version and published <= plan.open_b + 1:
+                return False  # its OPEN is still to come (or being launched right now)
+            self._drop_plan()  # its OPEN passed unlaunched (graph capture, a new pattern)
+        if self._launched or self._inflight:
+            return False
+        prefix = self._ready_prefix(self._staging_largest())
+        if not prefix:
+            return False
+        with self._ctl_lock:
+            pattern, version = self._ctl.pattern, self._ctl.version
+        if pattern is None or self._boundary.version != version:
+            return False
+        first = self._boundary.published
+        if self._plan_from[0] == version:
+            first = max(first, self._plan_from[1])
+        for occurrence, position, open_b, close_b in _windows_from(pattern, first):
+            self._plan_from = (version, open_b + 1)
+            last_s = self._last_duration(version, open_b, close_b, pattern.period)
+            with self._ctl_lock:
+                grant = self._ctl.grant(position, occurrence, (r.span for r in prefix), last_s)
+            self._stats.add("window_grants_count")
+            if grant.reason in (GrantReason.SUSPENDED, GrantReason.FALLBACK):
+                return False  # no windows any more: the batching path takes over
+            if grant.records:
+                self.plan = _Plan(version, open_b, close_b, grant, prefix[: grant.records])
+                self._stats.add("window_planned_count")
+                return True
+        return False
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -259,6 +408,7 @@ class DrainWorker:
 
     def step(self) -> bool:
         """One iteration; True if anything moved."""
+        self._absorb_launched()
         progressed = self._finish()
         self._observe()
         progressed |= self._serve_requests()
@@ -266,6 +416,7 @@ class DrainWorker:
             if self._windowed():
                 progressed |= self._serve_window()
             else:
+                self._drop_plan()  # suspended or fallen back: batching takes the records
                 progressed |= self._batch()
         self._writer.poll()
         return progressed
@@ -322,6 +473,10 @@ class DrainWorker:
         if not windowed or version != current or pattern is None:
             self._open = None
             return
+        if self._copy_stream is not None:  # planned windows: decided ahead, never missed
+            if count:
+                self._occurrence = pattern.locate(count - 1)[0]
+            return
         if count == prev or count == 0:
             return
         last = count - 1
@@ -350,6 +505,7 @@ class DrainWorker:
     def _serve_requests(self) -> bool:
         if not self._requests:
             return False
+        self._drop_plan()  # a planned copy would take records the request drains now
         req = self._requests[0]
         if not req.started:
             req.started = True
@@ -393,6 +549,8 @@ class DrainWorker:
     # -- 4. windows, or ordinary batching --------------------------------------------------
 
     def _serve_window(self) -> bool:
+        if self._copy_stream is not None:
+            return self._plan_window()
         if self._open is None:
             return False
         occurrence, position, open_b, close_b, version = self._open
@@ -511,6 +669,22 @@ class DrainWorker:
         window: tuple[int, int, int] | None = None,
     ) -> None:
         """Copy ``records`` (the oldest ready ones) into staging, back to back."""
+        t = self._copy(records, kind)
+        if t is None:
+            raise RuntimeError(f"staging has no room for {kind} records (a drain bug)")
+        if grant is not None and window is not None:
+            t.grant = grant
+            t.version, t.open_b, t.close_b = window
+        self._inflight.append(t)
+        self._inflight_records += t.count
+        self._finish()  # on CPU the copy has landed already
+
+    @hot_path
+    def _copy(
+        self, records: list[Record], kind: str, after: Stamp | None = None
+    ) -> _Transfer | None:
+        """Enqueue the copy of ``records`` into staging (on the copy stream, behind
+        ``after`` if given); None if staging has no room for them."""
         live = [r for r in records if r.state != VOID]
         moved = sum(r.span for r in live)
         base = 0
@@ -518,10 +692,12 @@ class DrainWorker:
             with self._staging_lock:
                 got = self._staging_ring.reserve(moved)
             if got is None:
-                raise RuntimeError(f"staging has no room for {moved} bytes (a drain bug)")
+                return None
             base = got
         runs, positions = _runs(live, base)
         with self._copy_context():
+            if after is not None and self._copy_stream is not None:
+                self._copy_stream.wait_event(after)
             start = self._timeline.stamp(self._copy_stream)
             for dev, pos, length in runs:
                 if length:
@@ -543,15 +719,9 @@ class DrainWorker:
             )
             for r, p in zip(live, positions, strict=True)
         ]
-        t = _Transfer(
+        return _Transfer(
             kind, out, len(records), moved, sum(r.nbytes for r in live), moved > 0, start, end
         )
-        if grant is not None and window is not None:
-            t.grant = grant
-            t.version, t.open_b, t.close_b = window
-        self._inflight.append(t)
-        self._inflight_records += t.count
-        self._finish()  # on CPU the copy has landed already
 
     def _send_oversized_head(self) -> bool:
         """Send the oldest record alone through a fresh host buffer if it is ready and
@@ -597,7 +767,8 @@ class DrainWorker:
         if open_stamp is not None:
             delay = timeline.elapsed_s(open_stamp, t.start)
             if delay is not None and boundary.still_owned(t.version, t.open_b):
-                issued_late = delay > self._late_issue_s
+                # Started before its OPEN (a stamp reused meanwhile): no evidence either.
+                issued_late = delay > self._late_issue_s or delay < 0
         transfer_s = timeline.elapsed_s(t.start, t.end)
         # Host observation, used only when the CLOSE's stamp is lost (then close_late).
         before_close = t.seen_done_at <= t.close_b
@@ -664,6 +835,19 @@ def _runs(records: list[Record], base: int) -> tuple[list[tuple[int, int, int]],
             runs.append((r.offset, pos, r.span))
         pos += r.span
     return runs, positions
+
+
+def _windows_from(pattern: WindowPattern, first: int) -> list[tuple[int, int, int, int]]:
+    """The windows whose OPEN boundary is ``first`` or later, one period's worth:
+    ``(occurrence, position, open boundary, close boundary)``, in order."""
+    occurrence, phase = divmod(first, pattern.period)
+    out = []
+    for occ in (occurrence, occurrence + 1):
+        base = occ * pattern.period
+        for position, (begin, end) in enumerate(pattern.windows):
+            if occ > occurrence or begin >= phase:
+                out.append((occ, position, base + begin, base + end))
+    return out[: len(pattern.windows)]
 
 
 def _opens_upto(pattern: WindowPattern, boundary: int) -> int:

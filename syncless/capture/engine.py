@@ -367,6 +367,7 @@ class CaptureEngine:
             self._stats.drop(DropReason.COPY_ERROR, rec.nbytes)
             raise
         rec.state = WRITTEN
+        self._drain.notify()
         self._stats.add2("captured_count", 1, "captured_bytes", rec.nbytes)
 
     @hot_path
@@ -402,7 +403,10 @@ class CaptureEngine:
         :mod:`syncless.capture.boundary` for what is measured under replay).
         """
         t0 = time.perf_counter_ns()
-        self._boundary.advance(stream)
+        boundary = self._boundary
+        boundary.advance(stream)
+        if self._drain.plan is not None:  # a window copy waits for this boundary?
+            self._drain.launch_plan(boundary.version, boundary.published - 1, stream)
         self._stats.add2(
             "boundary_count", 1, "boundary_host_ms", (time.perf_counter_ns() - t0) / 1e6
         )

@@ -64,6 +64,9 @@ COUNTERS: tuple[str, ...] = (
     "window_issued_late_count",  # transfers issued late (not evidence)
     "window_close_late_count",  # CLOSEs whose device timing was lost (not evidence)
     "window_missed_count",  # windows that opened and closed before the drain saw them
+    "window_planned_count",  # CUDA: window copies planned ahead of their OPEN ...
+    "window_launched_count",  # ... launched by advance_boundary() at the OPEN
+    "window_plan_dropped_count",  # ... dropped (a request came first, or the OPEN passed)
     "sink_shards_count",
     "sink_errors_count",
     "boundary_count",  # advance_boundary() calls

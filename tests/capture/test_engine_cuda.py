@@ -104,3 +104,53 @@ def test_eager_boundaries_are_driver_writes_and_count_exactly() -> None:
     assert int(clock._counter) == 50  # the device count a later graph would go on from
     assert clock.read() == (version, 50)
     engine.close()
+
+
+def _planned_engine() -> tuple[CaptureEngine, MemorySink]:
+    sink = MemorySink()
+    engine = CaptureEngine(16 << 20, 4 << 20, sink, background=False)
+    engine.define_pattern(WindowPattern(2, [(0, 1)]))
+    torch.cuda.synchronize()  # the new pattern's word has reached the host
+    return engine, sink
+
+
+def test_a_planned_copy_launches_at_its_window_open() -> None:
+    """The drain decides the next window's copy ahead; advance_boundary() launches it
+    at the OPEN, behind the OPEN's stamp, so it starts when the device gets there."""
+    engine, sink = _planned_engine()
+    x = torch.arange(1 << 16, device="cuda", dtype=torch.float32)
+    with no_sync():
+        engine.capture("x", x, step=0)
+    torch.cuda.synchronize()  # the record is ready
+    engine.poll()
+    assert engine.counters()["window_planned_count"] == 1
+    assert engine.counters()["d2h_bytes"] == 0  # planned, not copied
+    torch.cuda.synchronize()  # nothing is held on the device for the window
+    with no_sync():
+        torch.cuda._sleep(20_000_000)  # the device is behind the host at the OPEN
+        engine.advance_boundary()  # OPEN: the copy is launched here
+        torch.cuda._sleep(20_000_000)  # a window of milliseconds
+        engine.advance_boundary()  # CLOSE
+    assert engine.counters()["window_launched_count"] == 1
+    torch.cuda.synchronize()
+    for _ in range(3):
+        engine.poll()
+    (report,) = engine.window_reports()
+    # Not issued late, and not before the OPEN either (that also reads as issued late).
+    assert report.before_close and not report.issued_late and not report.close_late
+    engine.close()
+    assert torch.equal(sink.records[0].tensor(), x.cpu())
+
+
+def test_close_drops_a_plan_whose_window_never_comes() -> None:
+    engine, sink = _planned_engine()
+    x = torch.randn(1 << 16, device="cuda")
+    engine.capture("x", x)
+    torch.cuda.synchronize()
+    engine.poll()
+    assert engine.counters()["window_planned_count"] == 1
+    engine.close()  # no boundary is ever published: the lifecycle flush takes the record
+    assert torch.equal(sink.records[0].tensor(), x.cpu())
+    c = engine.counters()
+    assert c["window_plan_dropped_count"] == 1 and c["window_launched_count"] == 0
+    assert c["d2h_flush_bytes"] > 0 and c["d2h_window_bytes"] == 0

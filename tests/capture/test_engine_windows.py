@@ -379,3 +379,16 @@ def test_background_waits_store_every_record(policy: str) -> None:
     for k in range(2):
         got = [r.tensor()[0].item() for r in sink.records if r.tag == f"t{k}"]
         assert got == list(range(150))  # each thread's records, in its order
+
+
+def test_planned_windows_are_taken_in_order_from_the_first_unpublished_open() -> None:
+    from syncless.capture.drain import _windows_from
+
+    pattern = WindowPattern(6, [(1, 2), (3, 5)])  # OPENs at 1 and 3 of every 6
+    # (occurrence, position, open boundary, close boundary), one period's worth.
+    assert _windows_from(pattern, 0) == [(0, 0, 1, 2), (0, 1, 3, 5)]
+    assert _windows_from(pattern, 2) == [(0, 1, 3, 5), (1, 0, 7, 8)]
+    assert _windows_from(pattern, 3) == [(0, 1, 3, 5), (1, 0, 7, 8)]
+    assert _windows_from(pattern, 4) == [(1, 0, 7, 8), (1, 1, 9, 11)]
+    assert _windows_from(pattern, 13) == [(2, 0, 13, 14), (2, 1, 15, 17)]
+    assert _windows_from(pattern, 14) == [(2, 1, 15, 17), (3, 0, 19, 20)]
