@@ -318,28 +318,31 @@ class DrainWorker:
             return
         if _capturing():
             return  # a graph would replay the copy: the drain drops the plan
+        # Held through the launch: torch ops release the GIL, and a drain that ran in
+        # between would see neither the plan nor its transfer and plan the same records
+        # again.
         with self._plan_lock:
             if self.plan is not plan:
                 return
             self.plan = None
-        t = self._copy(plan.records, "window", self._boundary.stamp(version, boundary))
-        if t is None:
-            self._stats.add("window_plan_dropped_count")
-        else:
-            t.grant = plan.grant
-            t.version, t.open_b, t.close_b = version, plan.open_b, plan.close_b
-            self._launched.append(t)
-            self._stats.add("window_launched_count")
+            t = self._copy(plan.records, "window", self._boundary.stamp(version, boundary))
+            if t is not None:
+                t.grant = plan.grant
+                t.version, t.open_b, t.close_b = version, plan.open_b, plan.close_b
+                self._launched.append(t)
+        self._stats.add("window_launched_count" if t is not None else "window_plan_dropped_count")
         self._wake.set()
 
     def _absorb_launched(self) -> None:
         """Take the transfers launch_plan() made into this thread's bookkeeping."""
-        while self._launched:
-            t = self._launched.popleft()
-            self._inflight.append(t)
-            self._inflight_records += t.count
+        with self._plan_lock:
+            while self._launched:
+                t = self._launched.popleft()
+                self._inflight.append(t)
+                self._inflight_records += t.count
 
     def _drop_plan(self) -> None:
+        """No plan from here on; a launch that took it first is absorbed."""
         with self._plan_lock:
             dropped, self.plan = self.plan, None
         if dropped is not None:
@@ -358,7 +361,8 @@ class DrainWorker:
             if self._boundary.version == plan.version and published <= plan.open_b + 1:
                 return False  # its OPEN is still to come (or being launched right now)
             self._drop_plan()  # its OPEN passed unlaunched (graph capture, a new pattern)
-        if self._launched or self._inflight:
+        self._absorb_launched()  # under the lock: a launch finished, or none is under way
+        if self._inflight:
             return False
         prefix = self._ready_prefix(self._staging_largest())
         if not prefix:
