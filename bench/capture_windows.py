@@ -21,6 +21,7 @@ The issue's target: the overlap falls by >= 97% with windows, every capture byte
 step time no worse than batching.
 
     python bench/capture_windows.py --nproc 2                 # demo large on 2 GPUs
+    python bench/capture_windows.py --nproc 2 --attribute     # + boundaries without captures
     python bench/capture_windows.py --nproc 2 --preset tiny --layers 0,1 --steps 6 --no-record
 """
 
@@ -128,13 +129,18 @@ def worker(args: argparse.Namespace) -> None:
     results: dict[str, tuple] = {}
     step_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
     boundary_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
+    modes = (*MODES, "boundaries") if args.attribute else MODES
+    step_ms.update({mode: [] for mode in modes})
+    boundary_ms.update({mode: [] for mode in modes})
     for round_ in range(args.rounds):
-        for mode in MODES:
+        for mode in modes:
             cfg = preset(args.preset, steps=args.steps, expert_parallel=True, log_every=1)
             layers = parse_layers(args.layers, cfg.n_layers)
-            first = round_ == 0
+            first = round_ == 0 and mode != "boundaries"
             reference = Reference(layers, args.warmup, args.steps - 2) if first else None
-            tool = CaptureTool(args.layers, every=1, windows=mode == "windows")
+            # "boundaries": the windows' brackets and boundaries, captures at step 0 only.
+            every = args.steps + 1 if mode == "boundaries" else 1
+            tool = CaptureTool(args.layers, every=every, windows=mode != "batching")
             run_dir = root / f"{mode}-{round_}"
             tools = [tool, reference] if reference is not None else [tool]
             run_demo(cfg, run_dir=run_dir, name=mode, quiet=True, tools=tools)
@@ -151,7 +157,9 @@ def worker(args: argparse.Namespace) -> None:
                 exact, n = byte_exact(run_dir, rank, reference)
                 inside, total = overlap_ms(reference.events)
                 results[mode] = (inside, total, exact, n)
-    for mode in MODES:
+    if args.attribute:
+        results["boundaries"] = (float("nan"), float("nan"), True, 0)
+    for mode in modes:
         boundary = statistics.median(boundary_ms[mode]) if boundary_ms[mode] else 0.0
         results[mode] += (statistics.median(step_ms[mode]), boundary)
     gathered: list = [None] * dist.get_world_size()
@@ -227,6 +235,12 @@ def report(args: argparse.Namespace, per_rank: list[dict]) -> None:
             f"{args.steps - 2} of round 0: " + "; ".join(parts)
             + f"; overlap cut by windows {cut:.1f}% (target >= 97%); step windows vs "
             f"batching {(step_win / step_base - 1) * 100:+.1f}% (target <= 0)")  # fmt: skip
+    if "boundaries" in per_rank[0]:
+        step_b = max(r["boundaries"][4] for r in per_rank)
+        boundary_b = max(r["boundaries"][5] for r in per_rank)
+        line += (f"; boundaries and brackets alone (no captures after step 0): step "
+                 f"{step_b:.1f} ms ({(step_b / step_base - 1) * 100:+.1f}% vs batching), "
+                 f"advance_boundary host {boundary_b:.2f} ms/step")  # fmt: skip
     print(line)
     if not args.no_record:
         append_result("capture_windows", line)
@@ -238,6 +252,12 @@ def main() -> None:
     parser.add_argument("--preset", default="large")
     parser.add_argument("--layers", default="0,11,23", help="captured layers (all, or a list)")
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument(
+        "--attribute",
+        action="store_true",
+        help="also run the windows' boundaries and brackets without captures, to split "
+        "the windows' step-time cost between them and the copies",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs per mode")
     parser.add_argument("--warmup", type=int, default=12, help="steps before the profiled ones")
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)

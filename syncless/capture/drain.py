@@ -399,6 +399,7 @@ class DrainWorker:
             self._die(e)
 
     def _die(self, err: BaseException) -> None:
+        self.plan = None  # nothing is launched for a dead drain
         with self._requests_lock:
             self.error = err
             self._queue.fail()
