@@ -300,7 +300,7 @@ class DrainWorker:
     # -- planned windows: the framework's thread launches at the OPEN -------------------
 
     @hot_path
-    def launch_plan(self, version: int, boundary: int, stream: Any) -> None:
+    def launch_plan(self, version: int, boundary: int) -> None:
         """``advance_boundary()`` published ``boundary``: if the planned copy waits for
         it, launch it now, on the copy stream behind the boundary's stamp.
 

@@ -406,7 +406,7 @@ class CaptureEngine:
         boundary = self._boundary
         boundary.advance(stream)
         if self._drain.plan is not None:  # a window copy waits for this boundary?
-            self._drain.launch_plan(boundary.version, boundary.published - 1, stream)
+            self._drain.launch_plan(boundary.version, boundary.published - 1)
         self._stats.add2(
             "boundary_count", 1, "boundary_host_ms", (time.perf_counter_ns() - t0) / 1e6
         )
