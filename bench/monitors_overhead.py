@@ -50,6 +50,7 @@ from train_step import (
     ON,
     PERIOD,
     TrainStep,
+    blocking_sync,
     bootstrap_ci,
     low_percentile_ratio,
     paired_estimates,
@@ -87,7 +88,8 @@ def run_phase(
         flush_s += time.perf_counter() - start
 
     step0 = stats.setdefault("step", 0)
-    last = time.perf_counter()
+    cpus: list[float] = []  # the training thread's CPU time per step
+    last, last_cpu = time.perf_counter(), time.thread_time()
     for i in range(warmup + periods * PERIOD):
         # The warm-up follows the same pattern, so the first monitored steps (Triton
         # compiles, the first flushes) are not measured or billed.
@@ -122,10 +124,12 @@ def run_phase(
                 where = site.display()  # path:line, or dotted.module:line outside the cwd
                 if "syncless/monitors/" in where or "syncless.monitors." in where:
                     stats["monitor_syncs"] = stats.get("monitor_syncs", 0) + n
-        now = time.perf_counter()
+        now, now_cpu = time.perf_counter(), time.thread_time()
         if i >= warmup:
             times.append(now - last)
-        last = now
+            cpus.append(now_cpu - last_cpu)
+        last, last_cpu = now, now_cpu
+    stats.setdefault("cpu", {})[phase] = cpus
     stats["step"] = step0 + warmup + periods * PERIOD
     if handle is not None:
         m = handle.metrics
@@ -161,9 +165,16 @@ def main() -> None:
         help="comma-separated; stack: every monitor at its default cadence",
     )
     parser.add_argument("--dump", help="write every phase's per-step times (s) to this JSON")
+    parser.add_argument(
+        "--blocking-sync",
+        action="store_true",
+        help="host waits for the GPU sleep instead of spin, so the training thread's CPU "
+        "time (also printed) counts its work only (train_step.blocking_sync)",
+    )
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
     kernels.set_backend(args.kernels)
+    blocking = args.blocking_sync and blocking_sync()
     phases = args.phases.split(",")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = args.kernels
@@ -178,7 +189,7 @@ def main() -> None:
     gc.collect()
     gc.freeze()  # the setup's objects leave the collector's generations
     stats: dict = {}
-    rows, off_steps, dumped, means, cis = [], [], {}, {}, {}
+    rows, off_steps, dumped, means, cis, cpu_cis = [], [], {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         run = Run(name="monitors-overhead", run_dir=Path(tmp) / "run")
         for phase in phases:
@@ -189,6 +200,8 @@ def main() -> None:
             rows.append((phase, statistics.median(est), q[0], q[2], low_percentile_ratio(times)))
             means[phase] = statistics.fmean(est)
             cis[phase] = (bootstrap_ci(est), bootstrap_ci(est, np.mean))
+            cpu_est = paired_estimates(times, stats["cpu"][phase])
+            cpu_cis[phase] = (statistics.median(cpu_est), bootstrap_ci(cpu_est))
             off_steps += [t for i, t in enumerate(times) if i % PERIOD in (0, 1)]
         run.close()
     if args.dump:
@@ -235,6 +248,10 @@ def main() -> None:
     for phase, ((lo, hi), (mlo, mhi)) in cis.items():
         print(f"{phase}: 95% bootstrap CI of the median {lo:+.2f}..{hi:+.2f}%, of the mean "
               f"{means[phase]:+.2f}% {mlo:+.2f}..{mhi:+.2f}%")  # fmt: skip
+    sync_mode = "blocking syncs" if blocking else "spinning syncs: waits included"
+    for phase, (med, (lo, hi)) in cpu_cis.items():
+        print(f"{phase}: training thread's CPU time {med:+.2f}% of the step (95% CI "
+              f"{lo:+.2f}..{hi:+.2f}, {sync_mode})")  # fmt: skip
     if stack_mean is not None:
         print(f"stack at default cadences: mean of per-step estimates {stack_mean:+.2f}%")
     syncs = stats.get("monitor_syncs", 0)
@@ -255,6 +272,12 @@ def main() -> None:
             f"ms/step; per monitored step vs the 2 off steps before it ({args.periods} "
             f"periods/phase): {table}"
             + ("" if stack_mean is None else f"; stack mean estimate {stack_mean:+.2f}%")
+            + "; training thread's CPU time "
+            + ", ".join(
+                f"{p} {med:+.2f}% (95% CI {lo:+.2f}..{hi:+.2f})"
+                for p, (med, (lo, hi)) in cpu_cis.items()
+            )
+            + f" ({sync_mode})"
             + f"; monitor syncs {syncs}; 1 D2H/flush {stats.get('copies_ok')}",
         )
 

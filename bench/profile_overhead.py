@@ -40,6 +40,7 @@ from train_step import (
     ON,
     PERIOD,
     TrainStep,
+    blocking_sync,
     bootstrap_ci,
     low_percentile_ratio,
     paired_estimates,
@@ -125,7 +126,15 @@ def main() -> None:
                         help="the rotation of profiled modes, one per period")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument(
+        "--blocking-sync",
+        action="store_true",
+        help="host waits for the GPU sleep instead of spin, so the training thread's CPU "
+        "time (also printed) counts its work only (train_step.blocking_sync)",
+    )
     args = parser.parse_args()
+    blocking = args.blocking_sync and blocking_sync()
+    sync_mode = "blocking syncs" if blocking else "spinning syncs: waits included"
     rotation = args.modes.split(",")
     if not set(rotation) <= set(MODES):
         parser.error(f"--modes: each of {rotation} must be one of {MODES}")
@@ -140,6 +149,7 @@ def main() -> None:
         "megatron": MegatronTimers(),
     }
     times: dict[str, list[float]] = {m: [] for m in modes}
+    cpus: dict[str, list[float]] = {m: [] for m in modes}  # training thread CPU time
     for step in range(3):
         train(step)
     gc.collect()
@@ -151,15 +161,16 @@ def main() -> None:
         prof = profilers[mode] if pos == ON else OFF
         train.profiler = prof
         handles = hook_sections(train, prof)  # outside the step's time
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         prof.begin_step(i)
         train(i)
         prof.end_step()
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
         for h in handles:
             h.remove()
         if i >= args.warmup:
             times[mode].append(elapsed)
+            cpus[mode].append(cpu)
 
     all_off = [t for m in modes for j, t in enumerate(times[m]) if j % PERIOD in (0, 1)]
     off_ms = statistics.median(all_off) * 1e3
@@ -182,9 +193,12 @@ def main() -> None:
         med, mean = statistics.median(est), statistics.fmean(est)
         (m_lo, m_hi), (a_lo, a_hi) = bootstrap_ci(est), bootstrap_ci(est, np.mean)
         p10 = low_percentile_ratio(times[mode])
+        cpu_est = paired_estimates(times[mode], cpus[mode])
+        c_lo, c_hi = bootstrap_ci(cpu_est)
         text = (
             f"{mode} {med:+.2f}% (95% CI {m_lo:+.2f}..{m_hi:+.2f}, mean {mean:+.2f}% CI "
-            f"{a_lo:+.2f}..{a_hi:+.2f}, {len(est)} periods, p10 ratio {p10:+.2f}%)"
+            f"{a_lo:+.2f}..{a_hi:+.2f}, {len(est)} periods, p10 ratio {p10:+.2f}%; training "
+            f"thread's CPU time {statistics.median(cpu_est):+.2f}% CI {c_lo:+.2f}..{c_hi:+.2f})"
         )
         print(text)
         parts.append(text)
@@ -194,7 +208,7 @@ def main() -> None:
             "profile_overhead",
             f"demo {args.preset} train step (tight loop) off {off_ms:.1f} ms/step, off steps "
             f"without hooks; profiled step vs the 2 off steps before it (modes rotating "
-            f"{args.modes}): {'; '.join(parts)}; profiler's own host time {own}",
+            f"{args.modes}, {sync_mode}): {'; '.join(parts)}; profiler's own host time {own}",
         )
 
 

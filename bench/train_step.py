@@ -65,17 +65,43 @@ PERIOD = 4
 ON = 2  # position of the measured (switched-on) step in each period: off, off, ON, off
 
 
-def paired_estimates(times: list[float]) -> list[float]:
+def paired_estimates(times: list[float], costs: list[float] | None = None) -> list[float]:
     """Per period: cost (%) of the ON step and the step after it (which carries its
-    lagged work) against the two off steps before it; pairs 2 steps apart cancel drift."""
+    lagged work) against the two off steps before it; pairs 2 steps apart cancel drift.
+
+    ``costs`` (e.g. the training thread's CPU time per step): the same difference taken
+    in it, still relative to the off steps' wall time."""
+    costs = times if costs is None else costs
     out = []
     for p in range(len(times) // PERIOD):
         on = p * PERIOD + ON
         if on + 1 >= len(times):
             break
         base = times[on - 2] + times[on - 1]
-        out.append(((times[on] + times[on + 1]) - base) / base * 100)
+        extra = (costs[on] + costs[on + 1]) - (costs[on - 2] + costs[on - 1])
+        out.append(extra / base * 100)
     return out
+
+
+def blocking_sync(device: int = 0) -> bool:
+    """Make host waits for this GPU sleep instead of spin (``CU_CTX_SCHED_BLOCKING_SYNC``
+    on the primary context), so a thread's CPU time counts its work and not its waits.
+
+    Why: the demo's step is host-bound, so what the monitors or the profiler add is host
+    work; the training thread's CPU time measures it, with far less of the host's
+    scheduling noise than wall time, but only if a ``.tolist()`` waiting for the GPU
+    does not spin (CUDA spins by default when it has a core per context). Call before
+    anything touches CUDA; the workload's wall time then includes the wake-ups, for the
+    off steps as for the others. False where the driver refuses (no CUDA, no libcuda)."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        handle = ctypes.c_int()
+        ok = lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(handle), device) == 0
+        return ok and lib.cuDevicePrimaryCtxSetFlags_v2(handle, 0x4) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def bootstrap_ci(
