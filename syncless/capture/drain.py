@@ -10,10 +10,10 @@ One loop, on a thread of its own (or stepped by the caller, ``background=False``
 3. **serve requests** first: ``flush()``/``close()`` (lifecycle) and captures waiting
    on a full ring (capacity, block) drain outside the windows;
 4. then, with a pattern (not suspended, no fallback): ask the controller for a grant
-   and copy exactly the granted prefix of ready records in the window (on CUDA planned
-   ahead and launched at the OPEN by ``advance_boundary()``, see :meth:`DrainWorker.
-   launch_plan`; on the CPU when the drain sees the OPEN); without one (ordinary
-   batching): copy the largest ready prefix that fits in staging.
+   and copy exactly the granted prefix of ready records in the window (planned ahead
+   and launched at the OPEN by ``advance_boundary()``, see :meth:`DrainWorker.
+   launch_plan`, the default on CUDA; otherwise when the drain sees the OPEN); without
+   one (ordinary batching): copy the largest ready prefix that fits in staging.
 
 A transfer is the oldest ready records, whole, packed back to back into the pinned
 staging ring by one copy per contiguous run of the device ring (two when the records
@@ -139,6 +139,7 @@ class DrainWorker:
         late_issue_s: float,
         poll_interval_s: float,
         reports: int = 4096,
+        planned: bool = False,
     ) -> None:
         self._queue = queue
         self._ring = ring
@@ -170,6 +171,7 @@ class DrainWorker:
         # the framework's thread when it publishes the OPEN (launch_plan), and the
         # launched transfers it hands back. Windows are planned in order from the first
         # OPEN not decided yet: (version, boundary).
+        self._planned = planned
         self.plan: _Plan | None = None
         self._plan_lock = threading.Lock()
         self._launched: deque[_Transfer] = deque()
@@ -254,7 +256,7 @@ class DrainWorker:
         if self._inflight and (self._timeline.blocks or not windowed):
             self._timeline.wait(self._inflight[0].end)
             return
-        if windowed and self._copy_stream is not None and self._idle_planned():
+        if windowed and self._planned and self._timeline.blocks and self._idle_planned():
             return
         # Once per boundary: a stamp that was only captured in a CUDA graph (or is not
         # recorded yet) returns at once and must not become a spin.
@@ -316,7 +318,7 @@ class DrainWorker:
         plan = self.plan
         if plan is None or plan.open_b != boundary or plan.version != version:
             return
-        if _capturing():
+        if self._copy_stream is not None and _capturing():  # (a CPU build's raises)
             return  # a graph would replay the copy: the drain drops the plan
         # Held through the launch: torch ops release the GIL, and a drain that ran in
         # between would see neither the plan nor its transfer and plan the same records
@@ -478,7 +480,7 @@ class DrainWorker:
         if not windowed or version != current or pattern is None:
             self._open = None
             return
-        if self._copy_stream is not None:  # planned windows: decided ahead, never missed
+        if self._planned:  # planned windows: decided ahead, never missed
             if count:
                 self._occurrence = pattern.locate(count - 1)[0]
             return
@@ -554,7 +556,7 @@ class DrainWorker:
     # -- 4. windows, or ordinary batching --------------------------------------------------
 
     def _serve_window(self) -> bool:
-        if self._copy_stream is not None:
+        if self._planned:
             return self._plan_window()
         if self._open is None:
             return False

@@ -92,6 +92,10 @@ class EngineConfig:
         shard_bytes: the writer writes a shard once this many bytes are waiting
             (default: half the staging ring, so the drain keeps the other half).
         shard_interval_s: ... or once the oldest waiting batch is this old.
+        planned_windows: windows copies planned by the drain and launched by
+            ``advance_boundary()`` at the OPEN (None, the default: on CUDA, where a
+            drain thread that reacts to the OPEN starts late on a host-bound step); on
+            the CPU the launch is the copy itself, inside ``advance_boundary()``.
     """
 
     max_records: int = 4096
@@ -101,6 +105,7 @@ class EngineConfig:
     late_issue_s: float = 5e-4
     shard_bytes: int | None = None
     shard_interval_s: float = 5.0
+    planned_windows: bool | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self.max_records, "EngineConfig.max_records")
@@ -223,6 +228,7 @@ class CaptureEngine:
             rank=self._rank,
             late_issue_s=cfg.late_issue_s,
             poll_interval_s=cfg.poll_interval_s,
+            planned=self._cuda if cfg.planned_windows is None else cfg.planned_windows,
         )
         self._closed = False
         self._last_step = 0
