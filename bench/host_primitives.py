@@ -6,8 +6,8 @@ floor of what a hook costs inside a forward, where it measured 2-3x more), a for
 hook's dispatch, and one grouped QK-statistics launch of the demo's ``large`` shape
 after a synchronize (the GPU idle, as at the end of a host-bound forward), back to back
 and behind a running matmul. It also times a trivial Triton kernel through
-``JITFunction.run`` and through the compiled kernel's runner (what
-``syncless.kernels.launch`` uses). It reproduces the probe lines of bench/RESULTS.md at
+``JITFunction.run`` and through the compiled kernel's runner (the few microseconds a
+launch cache could save: too few to keep one, see docs/monitors/README.md). It reproduces the probe lines of bench/RESULTS.md at
 839d1b4.
 
     python bench/host_primitives.py          # CUDA only (the launches need a GPU)

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from syncless.hot_path import hot_path
-from syncless.kernels.launch import cached_launch
 
 _BLOCK_R = 16
 _BLOCK_C = 128
@@ -47,7 +46,6 @@ def _absmax_rows(
 
 
 # Row counts vary with the batch: not specialised (no mid-run recompile).
-@cached_launch
 @triton.jit(do_not_specialize=["R", "ROWS_PER_PROGRAM"])
 def _absmax_kernel(
     x_ptr, out_ptr, R, C, sxr, ROWS_PER_PROGRAM,
@@ -60,7 +58,6 @@ def _absmax_kernel(
     tl.store(out_ptr + pr.to(tl.int64) * C + c, acc, mask=c_ok)
 
 
-@cached_launch
 @triton.jit(do_not_specialize=["R", "ROWS_PER_PROGRAM"])
 def _absmax_grouped_kernel(
     x_ptr, offsets_ptr, out_ptr, R, C, sxr, ROWS_PER_PROGRAM, OUT_STRIDE,
@@ -77,7 +74,6 @@ def _absmax_grouped_kernel(
     tl.store(out_ptr + pr.to(tl.int64) * OUT_STRIDE + layer.to(tl.int64) * C + c, acc, mask=c_ok)
 
 
-@cached_launch
 @triton.jit(do_not_specialize=["R", "ROWS_PER_PROGRAM"])
 def _output_grouped_kernel(
     x_ptr, offsets_ptr, out_ptr, R, C, sxr, ROWS_PER_PROGRAM, OUT_STRIDE,
@@ -122,14 +118,12 @@ def _nonfinite_count(x_ptr, program, n, PER_PROGRAM, BLOCK: tl.constexpr):
     return tl.sum(bad, axis=0).to(tl.float32)
 
 
-@cached_launch
 @triton.jit(do_not_specialize=["n", "PER_PROGRAM"])
 def _nonfinite_kernel(x_ptr, out_ptr, n, PER_PROGRAM, BLOCK: tl.constexpr):
     program = tl.program_id(0)
     tl.store(out_ptr + program, _nonfinite_count(x_ptr, program, n, PER_PROGRAM, BLOCK))
 
 
-@cached_launch
 @triton.jit(do_not_specialize=["n", "PER_PROGRAM"])
 def _nonfinite_grouped_kernel(
     x_ptr, offsets_ptr, out_ptr, n, PER_PROGRAM, L, BLOCK: tl.constexpr

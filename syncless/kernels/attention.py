@@ -28,7 +28,6 @@ import triton.language as tl
 
 from syncless.hot_path import hot_path
 from syncless.kernels import interpreting
-from syncless.kernels.launch import cached_launch
 
 # H200, 24 layers of B=8, H=16, L=1024, D=64, causal, bf16 in one grouped launch (the
 # demo's "large" shape): 2.80 ms at 64 x 64 with 4 warps, 2.45 ms at 128 x 32 with 8
@@ -155,7 +154,6 @@ def _qk_block(
 # Batch-dependent sizes and the rotating phase are not specialised: Triton would
 # compile a new variant (~100 ms, seen on the H200) for phase == 1 or a size that is a
 # multiple of 16 the first time one appears, in the middle of training.
-@cached_launch(num_warps=_NUM_WARPS)
 @triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW", "phase", "stride"])
 def _qk_stats_kernel(
     q_ptr, k_ptr, out_ptr,
@@ -178,7 +176,6 @@ def _qk_stats_kernel(
     )  # fmt: skip
 
 
-@cached_launch(num_warps=_NUM_WARPS)
 @triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW"])
 def _qk_stats_grouped_kernel(
     q_ptr, k_ptr, offsets_ptr, out_ptr,
@@ -240,7 +237,7 @@ def qk_stats_partials(
         float(scale) * _LOG2E, float(weight), phase, stride,
         HEAD_DIM=head_dim, CAUSAL=causal, HAS_WINDOW=window is not None,
         PRECISION=precision, UPCAST=upcast, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=_NUM_WARPS,
     )  # fmt: skip
     return out
 
@@ -274,6 +271,6 @@ def qk_stats_partials_grouped(
         float(scale) * _LOG2E,
         HEAD_DIM=head_dim, CAUSAL=causal, HAS_WINDOW=window is not None,
         PRECISION=precision, UPCAST=upcast, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=_NUM_WARPS,
     )  # fmt: skip
     return out

@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 from syncless.hot_path import hot_path
-from syncless.kernels.launch import cached_launch
 
 _BLOCK_N = 128
 _BLOCK_P = 16
@@ -26,7 +25,6 @@ _BLOCK_P = 16
 
 # Sizes that change with the batch are not specialised (Triton would compile a variant
 # for a value of 1 or a multiple of 16 the first time it sees one, mid-run: ~100 ms).
-@cached_launch
 @triton.jit(do_not_specialize=["P"])
 def _fold_kernel(
     part_ptr,

@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from syncless.hot_path import hot_path
-from syncless.kernels.launch import cached_launch
 
 CHUNK = 65536  # elements per program: few atomics per group, enough programs per tensor
 _BLOCK = 2048
@@ -40,7 +39,6 @@ def _block(tensor_of_ptr, start_ptr, sizes_ptr, offsets_ptr, pid, i, BLOCK: tl.c
     return t, idx, ok, tl.load(offsets_ptr + t) + idx
 
 
-@cached_launch
 @triton.jit
 def _sumsq_kernel(
     x_ptr, offsets_ptr, sizes_ptr, tensor_of_ptr, start_ptr, group_of_ptr, out_ptr,
@@ -56,7 +54,6 @@ def _sumsq_kernel(
     tl.atomic_add(out_ptr + tl.load(group_of_ptr + t), tl.sum(acc, axis=0).to(tl.float64))
 
 
-@cached_launch
 @triton.jit
 def _copy_kernel(
     x_ptr, offsets_ptr, sizes_ptr, tensor_of_ptr, start_ptr, prefix_ptr, snap_ptr,
@@ -69,7 +66,6 @@ def _copy_kernel(
         tl.store(snap_ptr + tl.load(prefix_ptr + t) + idx, v, mask=ok)
 
 
-@cached_launch
 @triton.jit
 def _diff_sumsq_kernel(
     x_ptr, offsets_ptr, sizes_ptr, tensor_of_ptr, start_ptr, group_of_ptr, prefix_ptr,

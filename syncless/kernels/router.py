@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from syncless.hot_path import hot_path
-from syncless.kernels.launch import cached_launch
 
 _BLOCK_T = 64
 
@@ -59,7 +58,6 @@ def _router_block(
     return counts, zsum, msum
 
 
-@cached_launch
 @triton.jit(do_not_specialize=["T"])  # the token count varies with the batch
 def _router_kernel(
     x_ptr, out_ptr, T, E, sxt, sxe,
@@ -74,7 +72,6 @@ def _router_kernel(
     tl.store(out_row + E + 1, msum)
 
 
-@cached_launch
 @triton.jit(do_not_specialize=["T"])
 def _router_grouped_kernel(
     x_ptr, offsets_ptr, out_ptr, T, E, sxt, sxe, OUT_STRIDE,

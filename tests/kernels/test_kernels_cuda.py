@@ -111,27 +111,6 @@ def test_grouped_launches_agree_with_per_layer_launches(poison, launch):
         np.testing.assert_allclose(got[key], ref[key], rtol=1e-6, atol=0, err_msg=key)
 
 
-def test_cached_launches_give_what_triton_launches_give():
-    """From the third launch of a specialisation the kernels go through the compiled
-    kernel's runner (syncless.kernels.launch); its values are the first launch's."""
-    from syncless.kernels import activations, attention, fold, router
-
-    tokens = torch.randint(0, 256, (4, 64), device="cuda")
-    runs = [_readout("triton", tokens, False, launch="shared") for _ in range(3)]
-    for key in runs[0]:
-        for later in runs[1:]:
-            np.testing.assert_allclose(later[key], runs[0][key], rtol=1e-6, atol=0, err_msg=key)
-    launched = {
-        "output": activations._output_grouped_kernel,
-        "qk": attention._qk_stats_grouped_kernel,
-        "router": router._router_grouped_kernel,
-        "fold": fold._fold_kernel,
-    }
-    assert all(k.direct_launches > 0 for k in launched.values()), {
-        name: k.direct_launches for name, k in launched.items()
-    }
-
-
 def test_fused_record_replays_in_a_cuda_graph():
     from syncless.metrics.slot_group import Column, SlotGroup
 
