@@ -50,6 +50,7 @@ from train_step import (
     ON,
     PERIOD,
     TrainStep,
+    add_blocking_sync_flag,
     blocking_sync,
     bootstrap_ci,
     low_percentile_ratio,
@@ -165,12 +166,7 @@ def main() -> None:
         help="comma-separated; stack: every monitor at its default cadence",
     )
     parser.add_argument("--dump", help="write every phase's per-step times (s) to this JSON")
-    parser.add_argument(
-        "--blocking-sync",
-        action="store_true",
-        help="host waits for the GPU sleep instead of spin, so the training thread's CPU "
-        "time (also printed) counts its work only (train_step.blocking_sync)",
-    )
+    add_blocking_sync_flag(parser)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
     kernels.set_backend(args.kernels)

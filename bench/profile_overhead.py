@@ -40,6 +40,7 @@ from train_step import (
     ON,
     PERIOD,
     TrainStep,
+    add_blocking_sync_flag,
     blocking_sync,
     bootstrap_ci,
     low_percentile_ratio,
@@ -126,12 +127,7 @@ def main() -> None:
                         help="the rotation of profiled modes, one per period")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--no-record", action="store_true")
-    parser.add_argument(
-        "--blocking-sync",
-        action="store_true",
-        help="host waits for the GPU sleep instead of spin, so the training thread's CPU "
-        "time (also printed) counts its work only (train_step.blocking_sync)",
-    )
+    add_blocking_sync_flag(parser)
     args = parser.parse_args()
     blocking = args.blocking_sync and blocking_sync()
     sync_mode = "blocking syncs" if blocking else "spinning syncs: waits included"

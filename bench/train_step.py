@@ -11,6 +11,7 @@ H200's host, dc2abca), which is why the benchmarks also print low-percentile rat
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +82,16 @@ def paired_estimates(times: list[float], costs: list[float] | None = None) -> li
         extra = (costs[on] + costs[on + 1]) - (costs[on - 2] + costs[on - 1])
         out.append(extra / base * 100)
     return out
+
+
+def add_blocking_sync_flag(parser: argparse.ArgumentParser) -> None:
+    """``--blocking-sync`` (see ``blocking_sync``); parse, then ``blocking_sync()`` if set."""
+    parser.add_argument(
+        "--blocking-sync",
+        action="store_true",
+        help="host waits for the GPU sleep instead of spin, so the training thread's CPU "
+        "time (also printed) counts its work only (train_step.blocking_sync)",
+    )
 
 
 def blocking_sync(device: int = 0) -> bool:

@@ -85,15 +85,24 @@ def driver() -> Driver | None:
         return None
 
 
-def current_raw_stream_fn() -> Callable[[], int]:
-    """A no-argument function returning the current device's current ``CUstream``,
-    bound to torch's C getters (``current_raw_stream()`` goes through
-    ``torch.cuda.current_device()``'s Python)."""
+def current_raw_stream_fn(device: int | None = None) -> Callable[[], int]:
+    """A no-argument function returning the current ``CUstream`` of ``device`` (default:
+    the current device), bound to torch's C getters (``current_raw_stream()`` goes
+    through ``torch.cuda.current_device()``'s Python)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     get_device = getattr(torch._C, "_cuda_getDevice", None)
     if raw is None or get_device is None:
-        return current_raw_stream
+        return lambda: current_raw_stream(device)
+    if device is not None:
+        return lambda: raw(device)
     return lambda: raw(get_device())
+
+
+#: ``torch.cuda.is_current_stream_capturing`` without its Python frame, for hot paths
+#: that check it per call. A CPU build's C function raises: call it for CUDA work only.
+stream_capturing: Callable[[], bool] = getattr(
+    torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
+)
 
 
 def current_raw_stream(device: int | None = None) -> int:

@@ -39,7 +39,13 @@ from typing import Any
 import torch
 
 from syncless.capture.windows import COUNTER_BITS, VERSION_BITS, unpack
-from syncless.cuda_driver import Driver, current_raw_stream, driver
+from syncless.cuda_driver import (
+    Driver,
+    current_raw_stream,
+    current_raw_stream_fn,
+    driver,
+    stream_capturing,
+)
 from syncless.hot_path import hot_path
 
 __all__ = ["BoundaryClock", "DeviceTimeline", "HostTimeline", "Stamp", "Timeline"]
@@ -128,13 +134,7 @@ class _EagerBoundary:
     ) -> None:
         self._record, self._write = drv.record_fn(), drv.write_fn()
         self._word, self._counter, self._events = word, counter, events
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        self.stream: Callable[[], int] = (
-            (lambda: raw(device)) if raw is not None else (lambda: current_raw_stream(device))
-        )
-        self.capturing: Callable[[], bool] = getattr(
-            torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
-        )
+        self.stream = current_raw_stream_fn(device)
 
     @hot_path
     def publish(self, stream: int, slot: int, count: int, word: int) -> bool:
@@ -235,7 +235,7 @@ class BoundaryClock:
         now on) under graph capture or if the driver refuses."""
         eager = self._eager
         assert eager is not None
-        if eager.capturing():
+        if stream_capturing():
             self._eager = None
             return False
         handle = eager.stream() if stream is None else stream.cuda_stream

@@ -49,6 +49,7 @@ from syncless.capture.sink import CapturedRecord
 from syncless.capture.stats import CaptureStats
 from syncless.capture.windows import WindowPattern
 from syncless.capture.writer import Batch, SinkWriter
+from syncless.cuda_driver import stream_capturing
 from syncless.hot_path import hot_path
 
 __all__ = ["DrainWorker", "WindowReport"]
@@ -60,10 +61,6 @@ _MAX_INFLIGHT = 2
 # A planned drain with nothing to do sleeps this long at most: a launch or a capture
 # wakes it.
 _IDLE_WAIT_S = 0.01
-# torch.cuda.is_current_stream_capturing's C function (launch_plan runs per boundary).
-_capturing = getattr(
-    torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
-)
 
 
 class WindowReport(NamedTuple):
@@ -318,7 +315,7 @@ class DrainWorker:
         plan = self.plan
         if plan is None or plan.open_b != boundary or plan.version != version:
             return
-        if self._copy_stream is not None and _capturing():  # (a CPU build's raises)
+        if self._copy_stream is not None and stream_capturing():  # (a CPU build's raises)
             return  # a graph would replay the copy: the drain drops the plan
         # Held through the launch: torch ops release the GIL, and a drain that ran in
         # between would see neither the plan nor its transfer and plan the same records
@@ -423,7 +420,8 @@ class DrainWorker:
             if self._windowed():
                 progressed |= self._serve_window()
             else:
-                self._drop_plan()  # suspended or fallen back: batching takes the records
+                if self._planned:
+                    self._drop_plan()  # suspended or fallen back: batching takes them
                 progressed |= self._batch()
         self._writer.poll()
         return progressed
@@ -512,7 +510,8 @@ class DrainWorker:
     def _serve_requests(self) -> bool:
         if not self._requests:
             return False
-        self._drop_plan()  # a planned copy would take records the request drains now
+        if self._planned:
+            self._drop_plan()  # a planned copy would take records the request drains now
         req = self._requests[0]
         if not req.started:
             req.started = True

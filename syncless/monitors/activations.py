@@ -100,10 +100,7 @@ class ActivationsMonitor:
                 column = Column(slot, width=width, start=rank * width)
                 slot = _ShardedSlot(slot, rank * width, width)
             groups[site.index] = SlotGroup(ctx.metrics, [column])
-            record = self._make_output_hook(site.index, slot, groups)
-            self.output_records[site.index] = record
-            self.output_handles[site.index] = site.attach_output(ctx.timed(self.name, record))
-            ctx.handles += self.output_handles[site.index]
+            ctx.attach_output(self, site, self._make_output_hook(site.index, slot, groups))
         if self.launch == "grouped" and self.channel_shard is None and self._layers:
             self._batch = LayerBatch(
                 self._layers,

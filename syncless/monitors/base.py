@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from torch.utils.hooks import RemovableHandle
 
 from syncless.metrics import MetricSet, Readout
-from syncless.monitors.adapters import ModelMap
+from syncless.monitors.adapters import LayerSite, ModelMap
 from syncless.monitors.layer_batch import LayerBatch
 
 AREA = "monitors"
@@ -60,6 +60,15 @@ class MonitorContext:
                 ledger[monitor] += clock() - start
 
         return billed
+
+    def attach_output(self, monitor: Any, site: LayerSite, record: Callable[..., Any]) -> None:
+        """Hook ``record``, billed to ``monitor``, on ``site``'s block output; the monitor
+        keeps the callback and the handles in its ``output_records``/``output_handles``
+        (``output_read`` may replace the handles with one hook shared with a partner)."""
+        handles = site.attach_output(self.timed(monitor.name, record))
+        monitor.output_records[site.index] = record
+        monitor.output_handles[site.index] = handles
+        self.handles += handles
 
 
 class Monitor(Protocol):

@@ -37,16 +37,12 @@ from collections.abc import Callable
 
 import torch
 
+from syncless.cuda_driver import stream_capturing
 from syncless.hot_path import hot_path
 from syncless.kernels.offsets import OffsetRing
 from syncless.metrics.slot_group import SlotGroup
 
 LAUNCHES = ("layer", "grouped")
-# torch.cuda.is_current_stream_capturing's C function, without its Python frame: add()
-# runs once per hooked module per forward.
-_capturing = getattr(
-    torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
-)
 #: Deferred folds held at most (each holds one forward's partials until the flush).
 MAX_DEFERRED = 16
 
@@ -121,7 +117,7 @@ class LayerBatch:
         Only a reference is kept here: the view and the checks run once per forward,
         at launch, since every torch call (even a ``reshape``) is host time per layer.
         """
-        if not torch.is_grad_enabled() or (xs[0].is_cuda and _capturing()):
+        if not torch.is_grad_enabled() or (xs[0].is_cuda and stream_capturing()):
             # No autograd graph keeps these tensors past their layer (an evaluation
             # forward): holding them to the end of the forward would cost memory. Under
             # CUDA graph capture the offset upload (a pinned buffer and an event query)

@@ -64,10 +64,7 @@ class NonFiniteMonitor:
         for site in ctx.model.layers:
             slot = self._slots[site.index]
             groups[site.index] = SlotGroup(ctx.metrics, [Column(slot, also_max=alert)])
-            record = self._make_output_hook(site.index, slot, groups)
-            self.output_records[site.index] = record
-            self.output_handles[site.index] = site.attach_output(ctx.timed(self.name, record))
-            ctx.handles += self.output_handles[site.index]
+            ctx.attach_output(self, site, self._make_output_hook(site.index, slot, groups))
         if self.launch == "grouped" and self._layers:
             # The grouped fold sums each layer's column and feeds every column's sum to
             # the alert (the largest per-layer count of the forward) by an atomic max:

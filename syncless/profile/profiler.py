@@ -333,14 +333,19 @@ class Profiler(CollectiveWrappers):
     @hot_path
     def end_section(self, name: str) -> None:
         """Close the innermost open section called ``name``."""
-        if not self._in_step:
-            return  # its begin was counted already (outside a step, or left open at end)
-        sid = self._by_name.get(name, -1)
+        if self._in_step:  # else its begin was counted already (outside a step)
+            self._close_innermost(
+                self._by_name.get(name, -1),
+                f"end_section({name!r}): section {name!r} is not open",
+            )
+
+    def _close_innermost(self, sid: int, not_open: str) -> None:
+        """Close the innermost open span of section ``sid`` (misuse if there is none)."""
         for span in reversed(self._stack):
             if span._sid == sid:
                 self._close(span)
                 return
-        self._misused("not-open", f"end_section({name!r}): section {name!r} is not open")
+        self._misused("not-open", not_open)
 
     def hook_module(
         self, module: nn.Module, name: str, category: str = "compute", bytes: int = 0
@@ -405,14 +410,9 @@ class Profiler(CollectiveWrappers):
         """``hook_module``'s forward hook when its short path does not apply: close the
         innermost open span of the section (a re-entered call's own span, or ``span``
         with whatever was left open inside it)."""
-        if not self._in_step:
-            return  # as end_section: its begin was counted already
-        for open_span in reversed(self._stack):
-            if open_span._sid == span._sid:
-                self._close(open_span)
-                return
-        name = self._meta[span._sid].name if span._sid >= 0 else "?"
-        self._misused("not-open", f"module section {name!r} ended but it is not open")
+        if self._in_step:  # else, as end_section: its begin was counted already
+            name = self._meta[span._sid].name if span._sid >= 0 else "?"
+            self._close_innermost(span._sid, f"module section {name!r} ended but it is not open")
 
     @hot_path
     def _open(self, span: _Span) -> None:

@@ -442,15 +442,17 @@ def test_a_flush_drops_the_plan_and_takes_its_records_once() -> None:
     engine, sink = planned_engine()
     engine.define_pattern(ONE_WINDOW)
     xs = [torch.full((16,), float(i)) for i in range(3)]
-    for x in xs:
-        engine.capture("x", x)
+    with no_sync(cpu_as_device=True):
+        for x in xs:
+            engine.capture("x", x)
     engine.poll()
     assert engine.counters()["window_planned_count"] == 1
     engine.flush()  # a lifecycle request: the plan's records go by the flush
     c = engine.counters()
     assert c["window_plan_dropped_count"] == 1
     assert c["d2h_flush_bytes"] == 3 * 64 and c["d2h_window_bytes"] == 0
-    engine.advance_boundary()  # the OPEN the plan was for: nothing left to launch
+    with no_sync(cpu_as_device=True):
+        engine.advance_boundary()  # the OPEN the plan was for: nothing left to launch
     assert engine.counters()["window_launched_count"] == 0
     engine.close()
     got = [r.tensor() for r in sink.records]
@@ -460,10 +462,12 @@ def test_a_flush_drops_the_plan_and_takes_its_records_once() -> None:
 def test_a_plan_for_an_old_pattern_is_dropped_and_suspend_batches() -> None:
     engine, sink = planned_engine()
     engine.define_pattern(ONE_WINDOW)
-    engine.capture("a", torch.ones(16))
+    with no_sync(cpu_as_device=True):
+        engine.capture("a", torch.ones(16))
     engine.poll()
     engine.define_pattern(WindowPattern(4, [(1, 2)]))  # a new version before the OPEN
-    engine.advance_boundary()  # boundary 0 of the new pattern: not the plan's
+    with no_sync(cpu_as_device=True):
+        engine.advance_boundary()  # boundary 0 of the new pattern: not the plan's
     engine.poll()
     c = engine.counters()
     assert c["window_plan_dropped_count"] == 1 and c["window_launched_count"] == 0
@@ -495,9 +499,11 @@ def test_planned_windows_with_a_drain_thread_store_every_record_once() -> None:
         truth.append(x.clone())
         # block: a slow drain (a busy CI machine) makes captures wait, never drop; the
         # wait is a request that drops the plan, which this test wants to race too.
-        engine.capture("x", x, step=step, on_full="block")
+        with no_sync(cpu_as_device=True):
+            engine.capture("x", x, step=step, on_full="block")
         for _ in range(4):
-            engine.advance_boundary()
+            with no_sync(cpu_as_device=True):
+                engine.advance_boundary()
             if step % 7 == 0:
                 time.sleep(1e-4)  # let the drain thread plan between boundaries
     engine.close()

@@ -108,7 +108,7 @@ def test_module_sections_equal_begin_end_sections():
                 module.register_forward_pre_hook(lambda m, a, n=name: prof.begin_section(n))
                 module.register_forward_hook(lambda m, a, o, n=name: prof.end_section(n))
         for s in range(4):
-            with prof.step(s):
+            with no_sync(cpu_as_device=True), prof.step(s):
                 model(torch.ones(2))
                 with prof.section("tail"):
                     model(torch.ones(2))
@@ -122,7 +122,7 @@ def test_counts_continue_in_the_next_report_window():
     prof = _profiler(report_every=2)
     model, _ = _hooked(prof)
     for s in range(4):
-        with prof.step(s):
+        with no_sync(cpu_as_device=True), prof.step(s):
             model(torch.ones(1))
             if s == 3:
                 model(torch.ones(1))
@@ -143,7 +143,7 @@ def test_a_module_that_reenters_itself_gets_a_span_per_call():
     model = _Recursive()
     prof.hook_module(model, "r")
     for s in range(2):
-        with prof.step(s):
+        with no_sync(cpu_as_device=True), prof.step(s):
             model(torch.ones(1))
     rep = prof.report(force=True)
     # outer opens (1), inner opens (2), inner closes (3), outer closes (4): 3 + 1 ticks.
@@ -157,8 +157,9 @@ def test_forward_outside_a_step_is_counted_not_raised():
     model, _ = _hooked(prof)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        model(torch.ones(1))  # no open step
-    with prof.step(0):
+        with no_sync(cpu_as_device=True):
+            model(torch.ones(1))  # no open step
+    with no_sync(cpu_as_device=True), prof.step(0):
         model(torch.ones(1))
     rep = prof.report(force=True)
     assert rep.values["profile/self/misuse_count"] >= 1.0
