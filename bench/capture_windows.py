@@ -14,6 +14,11 @@ the drain copying between them). For each mode, on each rank:
   ...; the device timeline and byte checks come from each mode's first run);
 * host time of `advance_boundary` per step (`capture/self/boundary_host_ms`), the
   price of declaring the windows;
+* CPU time per step of the training thread (the whole step, from one step's start to
+  the next's; with `--blocking-sync` its waits for the GPU sleep, so this is its host
+  work), of the engine's drain and writer threads (`capture/self/drain_cpu_ms`,
+  `writer_cpu_ms`) and the drain's iterations: on this host-bound step a worker's GIL
+  time can come out of the training thread;
 * byte-exactness: every captured tensor against a clone of the same block output taken
   by an independent forward hook (the reference), compared bit for bit.
 
@@ -28,9 +33,11 @@ step time no worse than batching.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +45,7 @@ import torch.distributed as dist
 from results import append_result, metric_values
 from torch.profiler import ProfilerActivity, profile
 from torchrun import relaunch  # bench/ is on sys.path as a script
+from train_step import add_blocking_sync_flag, blocking_sync
 
 from syncless.capture import open as open_captures
 from syncless.demo.capture_tool import CaptureTool, parse_layers
@@ -88,6 +96,43 @@ class Reference:
         pass
 
 
+class ThreadCPU:
+    """The training thread's CPU time per step, from each step's start to the next's."""
+
+    name = "thread_cpu"
+
+    def __init__(self) -> None:
+        self.ms: dict[int, float] = {}
+        self._last: tuple[int, int] | None = None
+
+    def attach(self, ctx) -> None:
+        pass
+
+    def step_begin(self, step: int) -> None:
+        now = time.thread_time_ns()
+        if self._last is not None:
+            self.ms[self._last[0]] = (now - self._last[1]) / 1e6
+        self._last = (step, now)
+
+    def step_end(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# Per mode and rank, medians over the steps after warm-up of every round: (label, metric
+# of the demo's run, or None for the training thread's CPU time).
+SERIES = (
+    ("step", "demo/step/step_ms"),
+    ("advance_boundary host", "capture/self/boundary_host_ms"),
+    ("training thread CPU", None),
+    ("drain CPU", "capture/self/drain_cpu_ms"),
+    ("writer CPU", "capture/self/writer_cpu_ms"),
+    ("drain loops", "capture/self/drain_loops_count"),
+)
+
+
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[tuple[float, float]] = []
     for a, b in sorted(intervals):
@@ -123,15 +168,14 @@ def overlap_ms(events: list) -> tuple[float, float]:
 
 def worker(args: argparse.Namespace) -> None:
     # One process group for every run (run_demo then leaves it alone) and the gather.
+    if args.blocking_sync:
+        blocking_sync(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     root = Path(args.out)
     rank = dist.get_rank()
     results: dict[str, tuple] = {}
-    step_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
-    boundary_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
     modes = (*MODES, "boundaries") if args.attribute else MODES
-    step_ms.update({mode: [] for mode in modes})
-    boundary_ms.update({mode: [] for mode in modes})
+    series: dict[str, dict[str, list[float]]] = {m: {k: [] for k, _ in SERIES} for m in modes}
     for round_ in range(args.rounds):
         for mode in modes:
             cfg = preset(args.preset, steps=args.steps, expert_parallel=True, log_every=1)
@@ -141,13 +185,16 @@ def worker(args: argparse.Namespace) -> None:
             # "boundaries": the windows' brackets and boundaries, captures at step 0 only.
             every = args.steps + 1 if mode == "boundaries" else 1
             tool = CaptureTool(args.layers, every=every, windows=mode != "batching")
+            cpu = ThreadCPU()
             run_dir = root / f"{mode}-{round_}"
-            tools = [tool, reference] if reference is not None else [tool]
+            tools = [tool, cpu] if reference is None else [tool, cpu, reference]
             run_demo(cfg, run_dir=run_dir, name=mode, quiet=True, tools=tools)
-            step_ms[mode] += metric_values(run_dir, "demo/step/step_ms", args.warmup, rank)
-            boundary_ms[mode] += metric_values(
-                run_dir, "capture/self/boundary_host_ms", args.warmup, rank
-            )
+            for label, metric in SERIES:
+                if metric is None:
+                    values = [v for k, v in sorted(cpu.ms.items()) if k >= args.warmup]
+                else:
+                    values = metric_values(run_dir, metric, args.warmup, rank)
+                series[mode][label] += values
             if reference is not None and mode == "windows" and tool.engine is not None:
                 print_window_log(tool.engine, rank, args.warmup, args.steps - 2)
             if reference is not None and rank == 0:
@@ -160,8 +207,8 @@ def worker(args: argparse.Namespace) -> None:
     if args.attribute:
         results["boundaries"] = (float("nan"), float("nan"), True, 0)
     for mode in modes:
-        boundary = statistics.median(boundary_ms[mode]) if boundary_ms[mode] else 0.0
-        results[mode] += (statistics.median(step_ms[mode]), boundary)
+        medians = {k: statistics.median(v) if v else 0.0 for k, v in series[mode].items()}
+        results[mode] += (medians,)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:
@@ -213,6 +260,15 @@ def byte_exact(run_dir: Path, rank: int, reference: Reference) -> tuple[bool, in
     return exact, len(mine)
 
 
+def _costs(per_rank: list[dict], mode: str) -> str:
+    """Each series' median for ``mode``, the largest over the ranks."""
+    return ", ".join(
+        f"{label} {max(r[mode][4][label] for r in per_rank):.2f}"
+        + ("" if label == "drain loops" else " ms")
+        for label, _ in SERIES
+    )
+
+
 def report(args: argparse.Namespace, per_rank: list[dict]) -> None:
     parts = []
     for mode in MODES:
@@ -222,25 +278,23 @@ def report(args: argparse.Namespace, per_rank: list[dict]) -> None:
         total = max(r[mode][1] for r in per_rank)
         exact = all(r[mode][2] for r in per_rank)
         n = sum(r[mode][3] for r in per_rank)
-        step = max(r[mode][4] for r in per_rank)
-        boundary = max(r[mode][5] for r in per_rank)
-        parts.append(f"{mode}: D2H inside all-to-alls {inside:.2f} of {total:.2f} ms, step "
-                     f"{step:.1f} ms, advance_boundary host {boundary:.2f} ms/step, {n} "
-                     f"captures byte-exact {exact}")  # fmt: skip
+        parts.append(f"{mode}: D2H inside all-to-alls {inside:.2f} of {total:.2f} ms, "
+                     f"{n} captures byte-exact {exact}; per step {_costs(per_rank, mode)}")  # fmt: skip
     base, win = (max(r[m][0] for r in per_rank) for m in MODES)
     cut = (1 - win / base) * 100 if base > 0 else float("nan")
-    step_base, step_win = (max(r[m][4] for r in per_rank) for m in MODES)
-    line = (f"demo {args.preset} EP 2, layers {args.layers} every step, {args.rounds} "
-            f"alternating rounds of {args.steps} steps, profiled steps {args.warmup}.."
-            f"{args.steps - 2} of round 0: " + "; ".join(parts)
+    step_base, step_win = (max(r[m][4]["step"] for r in per_rank) for m in MODES)
+    sync = ", blocking sync" if args.blocking_sync else ""
+    line = (f"demo {args.preset} EP 2{sync}, layers {args.layers} every step, {args.rounds} "
+            f"alternating rounds of {args.steps} steps, medians over steps >= {args.warmup}, "
+            f"profiled steps {args.warmup}..{args.steps - 2} of round 0: "
+            + "; ".join(parts)
             + f"; overlap cut by windows {cut:.1f}% (target >= 97%); step windows vs "
             f"batching {(step_win / step_base - 1) * 100:+.1f}% (target <= 0)")  # fmt: skip
     if "boundaries" in per_rank[0]:
-        step_b = max(r["boundaries"][4] for r in per_rank)
-        boundary_b = max(r["boundaries"][5] for r in per_rank)
-        line += (f"; boundaries and brackets alone (no captures after step 0): step "
-                 f"{step_b:.1f} ms ({(step_b / step_base - 1) * 100:+.1f}% vs batching), "
-                 f"advance_boundary host {boundary_b:.2f} ms/step")  # fmt: skip
+        step_b = max(r["boundaries"][4]["step"] for r in per_rank)
+        line += (f"; boundaries and brackets alone (no captures after step 0): "
+                 f"{(step_b / step_base - 1) * 100:+.1f}% vs batching, per step "
+                 f"{_costs(per_rank, 'boundaries')}")  # fmt: skip
     print(line)
     if not args.no_record:
         append_result("capture_windows", line)
@@ -260,6 +314,7 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs per mode")
     parser.add_argument("--warmup", type=int, default=12, help="steps before the profiled ones")
+    add_blocking_sync_flag(parser)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -58,8 +58,8 @@ __all__ = ["DrainWorker", "WindowReport"]
 # the copy stream while the host finishes the previous one (releases its ring space,
 # hands it to the writer), so the host's turnaround does not show up as idle PCIe time.
 _MAX_INFLIGHT = 2
-# A planned drain with nothing to do sleeps this long at most: a launch or a capture
-# wakes it.
+# A batching or planned drain with nothing to do sleeps this long at most: whatever
+# gives it something to do (a capture, a launch, a request, staging space) wakes it.
 _IDLE_WAIT_S = 0.01
 
 
@@ -173,6 +173,11 @@ class DrainWorker:
         self._plan_lock = threading.Lock()
         self._launched: deque[_Transfer] = deque()
         self._plan_from: tuple[int, int] = (-1, 0)
+        # No window of the next period granted the ready records: decide again once the
+        # stream reaches this (version, count), not at every boundary before it;
+        # ``advance_boundary()`` wakes the drain when it publishes count ``wake_at``.
+        self._retry_at: tuple[int, int] | None = None
+        self.wake_at = -1
         self.reports: deque[WindowReport] = deque(maxlen=reports)
         self.error: BaseException | None = None
         self._wake = threading.Event()
@@ -190,6 +195,11 @@ class DrainWorker:
     def background(self) -> bool:
         return self._thread is not None
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The worker thread (None inline or once stopped)."""
+        return self._thread
+
     def stop(self) -> None:
         """Stop the thread (after the caller drained what it wanted) and report every
         window transfer still waiting for its CLOSE as not evidence."""
@@ -205,9 +215,10 @@ class DrainWorker:
         self._awaiting.clear()
 
     def release_staging(self) -> None:
-        """The writer is done with the oldest staged batch."""
+        """The writer is done with the oldest staged batch (records may wait for it)."""
         with self._staging_lock:
             self._staging_ring.release()
+        self._wake.set()
 
     def staging_used(self) -> int:
         with self._staging_lock:
@@ -242,29 +253,53 @@ class DrainWorker:
 
         With a copy in flight, until it lands (the next copy can only start after it on
         the copy stream anyway; a window copy's outcome is judged from device stamps,
-        not from when the drain looks). With windows on the device and nothing in
-        flight, until the stream reaches the next boundary: windows open and close only
-        there. Both waits release the GIL. Polling instead, every ``poll_interval_s``,
-        took the GIL thousands of times a second from a host-bound training thread.
-        Otherwise (CPU, batching, a boundary the host has not published yet) look again
-        after ``poll_interval_s`` or when woken.
+        not from when the drain looks). Batching (no windows), until the oldest record's
+        copy into the ring lands or something wakes the drain: a capture, a request,
+        staging space given back, a pattern, suspend or resume. With windows on the
+        device and nothing in flight, until the stream reaches the next boundary:
+        windows open and close only there. These waits release the GIL. Polling
+        instead, every ``poll_interval_s``, took the GIL thousands of times a second
+        from a host-bound training thread. Otherwise (windows on the CPU, a boundary
+        the host has not published yet) look again after ``poll_interval_s`` or when
+        woken.
         """
         windowed = self._windowed()
         if self._inflight and (self._timeline.blocks or not windowed):
             self._timeline.wait(self._inflight[0].end)
             return
-        if windowed and self._planned and self._timeline.blocks and self._idle_planned():
+        if not windowed:
+            if not self._wait_oldest_record():
+                self._sleep(_IDLE_WAIT_S if self._thread is not None else self._poll)
+            return
+        if self._planned and self._timeline.blocks and self._idle_planned():
             return
         # Once per boundary: a stamp that was only captured in a CUDA graph (or is not
         # recorded yet) returns at once and must not become a spin.
-        if windowed and self._timeline.blocks and self._waited != self._seen:
+        if self._timeline.blocks and self._waited != self._seen:
             self._waited = self._seen
             stamp = self._boundary.stamp(*self._seen)
             if stamp is not None:
                 self._timeline.wait(stamp)
                 return
-        self._wake.wait(self._poll)
+        self._sleep(self._poll)
+
+    def _sleep(self, timeout_s: float) -> None:
+        """Until woken (``notify``, a request, staging space) or ``timeout_s``."""
+        self._wake.wait(timeout_s)
+        # Cleared before the next look at the ring: a wake after this is not lost.
         self._wake.clear()
+
+    def _wait_oldest_record(self) -> bool:
+        """Wait for the oldest record not in flight if its copy into the ring has not
+        landed yet (its event releases the GIL); False if there is none to wait for."""
+        i = self._inflight_records
+        if len(self._queue) <= i:
+            return False
+        rec = self._queue.peek(i)
+        if rec.state == WRITTEN and rec.event is not None and not rec.event.query():
+            rec.event.synchronize()
+            return True
+        return False
 
     def _idle_planned(self) -> bool:
         """Planned windows, nothing in flight: sleep until the next thing that can change
@@ -280,16 +315,13 @@ class DrainWorker:
                 self._timeline.wait(stamp)
                 return True
         if self.plan is None:
+            if self._wait_oldest_record():
+                return True
             i = self._inflight_records
-            if len(self._queue) > i:
-                rec = self._queue.peek(i)
-                if rec.state == WRITTEN and rec.event is not None and not rec.event.query():
-                    rec.event.synchronize()  # releases the GIL
-                    return True
-                if self._ready(rec):
-                    return False
-        self._wake.wait(_IDLE_WAIT_S)
-        self._wake.clear()
+            ready = len(self._queue) > i and self._ready(self._queue.peek(i))
+            if ready and self._retry_at is None:
+                return False
+        self._sleep(_IDLE_WAIT_S)
         return True
 
     def notify(self) -> None:
@@ -363,6 +395,11 @@ class DrainWorker:
         self._absorb_launched()  # under the lock: a launch finished, or none is under way
         if self._inflight:
             return False
+        retry = self._retry_at
+        if retry is not None:
+            if retry[0] == self._boundary.version and self._boundary.published < retry[1]:
+                return False  # the windows up to there granted nothing: not yet
+            self._retry_at, self.wake_at = None, -1
         prefix = self._ready_prefix(self._staging_largest())
         if not prefix:
             return False
@@ -385,6 +422,9 @@ class DrainWorker:
                 self.plan = _Plan(version, open_b, close_b, grant, prefix[: grant.records])
                 self._stats.add("window_planned_count")
                 return True
+        # A period of windows granted nothing: look again when the last of them opens.
+        self._retry_at = self._plan_from
+        self.wake_at = self._plan_from[1]
         return False
 
     # -- the loop ---------------------------------------------------------------------
@@ -392,6 +432,7 @@ class DrainWorker:
     def _run(self) -> None:
         try:
             while not self._stopping:
+                self._stats.add("drain_loops_count")
                 if not self.step():
                     self._idle()
         except BaseException as e:

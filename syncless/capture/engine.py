@@ -32,7 +32,7 @@ from syncless.capture.controller import ControllerConfig, GrantController
 from syncless.capture.drain import DrainWorker, WindowReport
 from syncless.capture.records import VOID, WRITTEN, Record, RecordQueue
 from syncless.capture.sink import CaptureSink, SafetensorsSink
-from syncless.capture.stats import GAUGES, CaptureStats, DropReason
+from syncless.capture.stats import GAUGES, CaptureStats, DropReason, ThreadClock
 from syncless.capture.windows import WindowPattern
 from syncless.capture.writer import SinkWriter
 from syncless.guard import allow_sync
@@ -49,7 +49,13 @@ _ON_FULL = ("drop", "block", "flush")
 # Reasons a waiting capture can outlast; the others are final.
 _WAITABLE = (DropReason.RING_FULL, DropReason.RECORDS_FULL)
 # Counters reported under capture/self/ (the engine's own cost), not capture/step/.
-_SELF = ("capture_host_ms", "boundary_host_ms")
+_SELF = (
+    "capture_host_ms",
+    "boundary_host_ms",
+    "drain_loops_count",
+    "drain_cpu_ms",
+    "writer_cpu_ms",
+)
 
 
 def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
@@ -232,6 +238,7 @@ class CaptureEngine:
         )
         self._closed = False
         self._last_step = 0
+        self._thread_clock = ThreadClock()
         if background:
             self._drain.start()
 
@@ -409,10 +416,12 @@ class CaptureEngine:
         :mod:`syncless.capture.boundary` for what is measured under replay).
         """
         t0 = time.perf_counter_ns()
-        boundary = self._boundary
+        boundary, drain = self._boundary, self._drain
         boundary.advance(stream)
-        if self._drain.plan is not None:  # a window copy waits for this boundary?
-            self._drain.launch_plan(boundary.version, boundary.published - 1)
+        if drain.plan is not None:  # a window copy waits for this boundary?
+            drain.launch_plan(boundary.version, boundary.published - 1)
+        elif boundary.published == drain.wake_at:  # the drain waits for this boundary
+            drain.notify()
         self._stats.add2(
             "boundary_count", 1, "boundary_host_ms", (time.perf_counter_ns() - t0) / 1e6
         )
@@ -434,6 +443,7 @@ class CaptureEngine:
             version = self._ctl.define_pattern(pattern)
         if version != before:
             self._boundary.set_version(version, stream)
+        self._drain.notify()  # an idle batching drain sleeps until told
         return version
 
     def suspend(self) -> None:
@@ -442,12 +452,14 @@ class CaptureEngine:
         self._check_open("suspend")
         with self._ctl_lock:
             self._ctl.suspend()
+        self._drain.notify()
 
     def resume(self) -> None:
         """Leave the phase entered by :meth:`suspend`."""
         self._check_open("resume")
         with self._ctl_lock:
             self._ctl.resume()
+        self._drain.notify()
 
     def window_reports(self) -> list[WindowReport]:
         """What the engine reported for each recent window transfer (oldest first)."""
@@ -510,6 +522,12 @@ class CaptureEngine:
         if self._strict:
             self._raise_errors()
         self._last_step = step
+        self._stats.add2(
+            "drain_cpu_ms",
+            self._thread_clock.advance(self._drain.thread),
+            "writer_cpu_ms",
+            self._thread_clock.advance(self._writer.thread),
+        )
         values: dict[str, float] = {}
         for name, value in self._stats.deltas().items():
             values[f"capture/{'self' if name in _SELF else 'step'}/{name}"] = value

@@ -15,11 +15,12 @@ or the writer (``pending_count``).
 from __future__ import annotations
 
 import threading
+import time
 from enum import Enum
 
 from syncless.hot_path import hot_path
 
-__all__ = ["COUNTERS", "GAUGES", "CaptureStats", "DropReason"]
+__all__ = ["COUNTERS", "GAUGES", "CaptureStats", "DropReason", "ThreadClock"]
 
 
 class DropReason(str, Enum):
@@ -72,6 +73,9 @@ COUNTERS: tuple[str, ...] = (
     "boundary_count",  # advance_boundary() calls
     "capture_host_ms",  # host time inside capture() (the engine bills itself)
     "boundary_host_ms",  # host time inside advance_boundary()
+    "drain_loops_count",  # drain iterations (each takes the GIL once at least)
+    "drain_cpu_ms",  # CPU time of the drain thread (Linux; 0 where unknown)
+    "writer_cpu_ms",  # CPU time of the sink writer thread (Linux; 0 where unknown)
 )
 
 #: Instantaneous values (reported as they are when the step ends).
@@ -140,3 +144,31 @@ class CaptureStats:
             v = self._values
             dropped = sum(v[f"dropped_{r.value}_count"] for r in DropReason)
             return int(v["offered_count"] - v["stored_count"] - dropped)
+
+
+class ThreadClock:
+    """The CPU time a worker thread has used, read from another thread.
+
+    Why: on a host-bound step every millisecond a worker holds the GIL can come out of
+    the training thread, so the engine reports its threads' CPU time beside its own
+    host time on the training thread. Read from the reporting thread (one
+    ``clock_gettime`` per thread per report), the workers pay nothing for it. Where
+    ``time.pthread_getcpuclockid`` is missing (not Linux/BSD) it reads 0.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[int, int] = {}
+
+    def advance(self, thread: threading.Thread | None) -> float:
+        """Milliseconds of CPU ``thread`` used since the previous call for it."""
+        ident = None if thread is None else thread.ident
+        getter = getattr(time, "pthread_getcpuclockid", None)
+        if ident is None or getter is None:
+            return 0.0
+        try:
+            now = time.clock_gettime_ns(getter(ident))
+        except OSError:  # the thread ended meanwhile
+            return 0.0
+        before = self._last.get(ident, 0)
+        self._last[ident] = now
+        return (now - before) / 1e6

@@ -78,6 +78,11 @@ class SinkWriter:
             self._thread.daemon = True
             self._thread.start()
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The writer thread (None inline or once closed)."""
+        return self._thread
+
     def submit(self, batch: Batch) -> None:
         """A batch whose bytes have landed (called by the drain, in capture order)."""
         if self._thread is not None:

@@ -513,3 +513,32 @@ def test_planned_windows_with_a_drain_thread_store_every_record_once() -> None:
     c = engine.counters()
     assert c["window_launched_count"] > 0
     assert c["stored_count"] == 300 and c["dropped_ring_full_count"] == 0
+
+
+def test_a_period_that_grants_nothing_is_decided_again_only_once_it_has_opened() -> None:
+    """No window of the next period takes the ready record: the drain asks the
+    controller again only after the last of those OPENs is published, however often it
+    looks before (it used to ask once per look, a period further ahead each time)."""
+    controller = ScriptedController(1 << 12, [0, 1])
+    engine, sink = planned_engine(controller)
+    engine.define_pattern(ONE_WINDOW)  # OPENs at boundaries 0, 2, 4, ...
+    x = torch.arange(16, dtype=torch.float32)
+    with no_sync(cpu_as_device=True):
+        engine.capture("x", x)
+    for _ in range(5):
+        engine.poll()
+    assert len(controller.offered) == 1  # the window at boundary 0 granted nothing
+    assert engine.counters()["window_planned_count"] == 0
+    with no_sync(cpu_as_device=True):
+        engine.advance_boundary()  # boundary 0: that window opened
+    engine.poll()
+    assert len(controller.offered) == 2  # now the window at boundary 2, which grants it
+    assert engine.counters()["window_planned_count"] == 1
+    with no_sync(cpu_as_device=True):
+        engine.advance_boundary()  # 1: CLOSE
+        engine.advance_boundary()  # 2: OPEN, the planned copy goes
+    engine.poll()
+    c = engine.counters()
+    assert c["window_launched_count"] == 1 and c["d2h_window_bytes"] == 64
+    engine.close()
+    assert len(sink.records) == 1 and torch.equal(sink.records[0].tensor(), x)
