@@ -14,10 +14,10 @@ enqueues, on the framework's stream and without any host sync:
 All four are capturable in a CUDA graph (the events are created ``external=True`` so a
 captured record becomes a graph node). The word is exact under graph replay.
 
-Eagerly (not under graph capture) the same boundary is three CUDA driver calls that
-keep the GIL (:mod:`syncless.cuda_driver`): the event record, a stream write of the
-count into the device counter, and a stream write of the word, which the host already
-knows, into the pinned word. In the expert-parallel demo on two H200s (~240
+Eagerly (not under graph capture) the same boundary is two CUDA driver calls that keep
+the GIL (:mod:`syncless.cuda_driver`): the event record, and one batch of two stream
+writes (``cuStreamBatchMemOp``; two calls where the driver lacks it), the count into
+the device counter and the word, which the host already knows, into the pinned word. In the expert-parallel demo on two H200s (~240
 boundaries per step) the torch ops cost 15-22 ms of host time per step, the driver
 calls 6.97 ms (bench/RESULTS.md, capture_windows, 3746a75 to 07d36f0, and a9d2e96). The
 device counter stays exact, so a graph captured later counts on from it; once any
@@ -130,20 +130,31 @@ class _EagerBoundary:
     path host time of the training step."""
 
     def __init__(
-        self, drv: Driver, device: int, word: int, counter: int, events: list[int]
+        self,
+        drv: Driver,
+        device: int,
+        word: int,
+        counter: int,
+        events: list[int],
+        write_pair: Callable[[int, int, int], int] | None,
     ) -> None:
         self._record, self._write = drv.record_fn(), drv.write_fn()
         self._word, self._counter, self._events = word, counter, events
+        self._write_pair = write_pair
         self.stream = current_raw_stream_fn(device)
 
     @hot_path
     def publish(self, stream: int, slot: int, count: int, word: int) -> bool:
         """Stamp ``slot``, then the device count, then the host-visible word (in this
         order on ``stream``: a word seen implies its stamp and count are there)."""
+        if self._record(self._events[slot], stream) != 0:
+            return False
+        pair = self._write_pair
+        if pair is not None:  # both writes in one driver call
+            return pair(stream, count, word & _U64) == 0
         write = self._write
         return (
-            self._record(self._events[slot], stream) == 0
-            and write(stream, self._counter, count, 0) == 0
+            write(stream, self._counter, count, 0) == 0
             and write(stream, self._word, word & _U64, 0) == 0
         )
 
@@ -205,8 +216,12 @@ class BoundaryClock:
             ev.record(torch.cuda.current_stream(self._device))
         if not drv.stream_write_u64(stream, address, 0):
             return None
+        # Probe the one-call pair with the values both words hold now (0).
+        pair = drv.write_pair_fn(self._counter_address, address)
+        if pair is not None and pair(stream, 0, 0) != 0:
+            pair = None
         return _EagerBoundary(drv, self._device.index, address, self._counter_address,
-                              [ev.cuda_event for ev in self._stamps])  # fmt: skip
+                              [ev.cuda_event for ev in self._stamps], pair)  # fmt: skip
 
     @hot_path
     def advance(self, stream: Any = None) -> None:

@@ -1,0 +1,62 @@
+"""The driver call that batches a boundary's two stream writes: its parameter array
+must be exactly the C layout of two ``CUstreamBatchMemOpParams`` (no GPU needed: a
+fake driver captures the bytes it is handed)."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from types import SimpleNamespace
+
+from syncless.cuda_driver import Driver
+
+
+def _c_function(result: int = 0, calls: list | None = None):
+    def fn(*args):
+        if calls is not None:
+            calls.append(args)
+        return result
+
+    return fn  # a Python function takes the argtypes attribute like a ctypes one
+
+
+def _expected_write_64(address: int, value: int) -> bytes:
+    """cuda.h: {CUstreamBatchMemOpType operation; CUdeviceptr address; union {u32 value;
+    u64 value64}; unsigned flags; CUdeviceptr alias}, in a 48-byte union (pad[6])."""
+    packed = struct.pack("<I4xQQI4xQ", 5, address, value, 0, 0)  # 5: WRITE_VALUE_64
+    return packed + bytes(48 - len(packed))
+
+
+def test_write_pair_hands_the_driver_two_write_value_64_params_in_order() -> None:
+    seen: list[tuple[int, int, bytes, int]] = []
+
+    def batch(stream, count, params, flags):
+        seen.append((stream, count, ctypes.string_at(params, 96), flags))
+        return 0
+
+    lib = SimpleNamespace(
+        cuEventRecord=_c_function(),
+        cuEventElapsedTime=_c_function(),
+        cuStreamWriteValue64_v2=_c_function(),
+        cuMemHostGetDevicePointer_v2=_c_function(),
+        cuStreamBatchMemOp_v2=batch,
+    )
+    write = Driver(lib).write_pair_fn(0x7F00_0000_1000, 0x7F00_0000_2040)
+    assert write is not None
+    assert write(0xABC, 7, (1 << 64) - 1) == 0
+    assert write(0xDEF, 8, 3 << 48 | 9) == 0
+    assert [(s, n, f) for s, n, _, f in seen] == [(0xABC, 2, 0), (0xDEF, 2, 0)]
+    for (_, _, raw, _), (a, b) in zip(seen, [(7, (1 << 64) - 1), (8, 3 << 48 | 9)], strict=True):
+        assert raw == _expected_write_64(0x7F00_0000_1000, a) + _expected_write_64(
+            0x7F00_0000_2040, b
+        )
+
+
+def test_write_pair_is_none_without_the_batch_call() -> None:
+    lib = SimpleNamespace(
+        cuEventRecord=_c_function(),
+        cuEventElapsedTime=_c_function(),
+        cuStreamWriteValue64_v2=_c_function(),
+        cuMemHostGetDevicePointer_v2=_c_function(),
+    )
+    assert Driver(lib).write_pair_fn(16, 32) is None
