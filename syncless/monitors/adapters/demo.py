@@ -7,11 +7,12 @@ Recognised by structure, not by importing the demo (nothing in the library impor
 
 q/k capture: the attention computes ``q = rotary(heads(q_proj(x)))`` and then
 ``k = rotary(heads(k_proj(x)))`` and hands exactly those two tensors to SDPA. A
-forward hook on ``rotary`` collects its outputs (q first, then k), a forward-pre-hook
-on the attention module empties the slot list, and a forward hook on the attention
-module passes the pair to the callback. Nothing is recomputed: the cost is two list
-appends and one call per attention forward, and the callback sees the very tensors
-SDPA received (detached).
+forward-pre-hook on the attention module empties the slot list, and a forward hook on
+``rotary`` keeps its first output (q) and passes the pair to the callback at its second
+(k). Nothing is recomputed, and the callback sees the very tensors SDPA receives
+(detached). A hook on the attention's output as well, to hand the pair over there, was
+one more hook call per layer (the H200's host spends 11-18 us on each; see
+``syncless.monitors.output_read``).
 """
 
 from __future__ import annotations
@@ -39,12 +40,11 @@ class DemoAttentionSite(AttentionSite):
     """Demo attention: q/k are the two outputs of ``module.rotary`` per forward."""
 
     def attach_qk(self, callback: QKCallback) -> list[RemovableHandle]:
-        captured: list[Tensor] = []
+        captured: list[Tensor | None] = []
         rotary: nn.Module = self.module.rotary  # type: ignore[assignment]
         return [
             self.module.register_forward_pre_hook(_make_reset_hook(captured)),
-            rotary.register_forward_hook(_make_rotary_hook(captured)),
-            self.module.register_forward_hook(_make_qk_hook(captured, callback)),
+            rotary.register_forward_hook(_make_qk_hook(captured, callback)),
         ]
 
 
@@ -105,35 +105,34 @@ def _map_block(block: nn.Module, index: int) -> LayerSite:
     return LayerSite(index=index, block=block, attention=attention, router=router, mlp=mlp)
 
 
-def _make_reset_hook(captured: list[Tensor]) -> Callable[[nn.Module, tuple[Tensor, ...]], None]:
+def _make_reset_hook(
+    captured: list[Tensor | None],
+) -> Callable[[nn.Module, tuple[Tensor, ...]], None]:
     def reset_hook(module: nn.Module, args: tuple[Tensor, ...]) -> None:
         captured.clear()
 
     return reset_hook
 
 
-def _make_rotary_hook(
-    captured: list[Tensor],
-) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], None]:
-    def rotary_hook(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
-        captured.append(output.detach())
-
-    return rotary_hook
-
-
 def _make_qk_hook(
-    captured: list[Tensor], callback: QKCallback
+    captured: list[Tensor | None], callback: QKCallback
 ) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], None]:
     def qk_hook(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
         # A count of Python objects, fixed by the model's code: not a tensor value.
-        if len(captured) != 2:
+        if not captured:
+            captured.append(output.detach())  # q; k comes next
+            return
+        if len(captured) != 1:
             raise RuntimeError(
-                f"syncless demo adapter: the attention's rotary module ran {len(captured)} "
-                "times in one forward, expected 2 (q then k); the model's Attention.forward "
+                f"syncless demo adapter: the attention's rotary module ran {len(captured) + 1}"
+                " times in one forward, expected 2 (q then k); the model's Attention.forward "
                 "changed, update syncless/monitors/adapters/demo.py"
             )
-        q, k = captured
-        captured.clear()  # drop the references until the next forward
-        callback(q, k)
+        q = captured[0]
+        # Two entries: a third call in this forward is an error (above); no reference
+        # to q is kept past its forward.
+        captured[0] = None
+        captured.append(None)
+        callback(q, output.detach())
 
     return qk_hook
