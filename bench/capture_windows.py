@@ -1,7 +1,8 @@
 """Capture with recurring windows vs ordinary batching on the expert-parallel demo (issue 7).
 
 Two ranks train the demo with expert parallelism and capture the hidden states of
-`--layers` every step (syncless.demo.capture_tool.CaptureTool), once with ordinary
+`--layers` every step (or, `--point moe_input`, the MoE blocks' inputs, right before
+their router and token dispatch: where batching's copies meet the all-to-alls) (syncless.demo.capture_tool.CaptureTool), once with ordinary
 batching and once with `--capture-windows` (every token all-to-all a critical region,
 the drain copying between them). For each mode, on each rank:
 
@@ -61,8 +62,8 @@ class Reference:
 
     name = "reference"
 
-    def __init__(self, layers: list[int], first: int, last: int) -> None:
-        self.layers, self.first, self.last = layers, first, last
+    def __init__(self, layers: list[int], first: int, last: int, point: str) -> None:
+        self.layers, self.first, self.last, self.point = layers, first, last, point
         self.clones: dict[tuple[str, int], torch.Tensor] = {}
         self.step = 0
         self.prof: profile | None = None
@@ -70,14 +71,15 @@ class Reference:
 
     def attach(self, ctx) -> None:
         for i in self.layers:
-            ctx.model.layers[i].register_forward_hook(self._hook(f"layer_{i:02d}/hidden"))
+            tag, block = f"layer_{i:02d}/{self.point}", ctx.model.layers[i]
+            if self.point == "hidden":
+                block.register_forward_hook(lambda _m, _a, out, t=tag: self._clone(t, out[0]))
+            else:
+                block.moe.register_forward_pre_hook(lambda _m, a, t=tag: self._clone(t, a[0]))
 
-    def _hook(self, tag: str):
-        def clone(_m, _a, out):
-            if torch.is_grad_enabled():
-                self.clones[(tag, self.step)] = out[0].detach().clone()
-
-        return clone
+    def _clone(self, tag: str, x: torch.Tensor) -> None:
+        if torch.is_grad_enabled():
+            self.clones[(tag, self.step)] = x.detach().clone()
 
     def step_begin(self, step: int) -> None:
         self.step = step
@@ -181,10 +183,14 @@ def worker(args: argparse.Namespace) -> None:
             cfg = preset(args.preset, steps=args.steps, expert_parallel=True, log_every=1)
             layers = parse_layers(args.layers, cfg.n_layers)
             first = round_ == 0 and mode != "boundaries"
-            reference = Reference(layers, args.warmup, args.steps - 2) if first else None
+            reference = (
+                Reference(layers, args.warmup, args.steps - 2, args.point) if first else None
+            )
             # "boundaries": the windows' brackets and boundaries, captures at step 0 only.
             every = args.steps + 1 if mode == "boundaries" else 1
-            tool = CaptureTool(args.layers, every=every, windows=mode != "batching")
+            tool = CaptureTool(
+                args.layers, every=every, windows=mode != "batching", point=args.point
+            )
             cpu = ThreadCPU()
             run_dir = root / f"{mode}-{round_}"
             tools = [tool, cpu] if reference is None else [tool, cpu, reference]
@@ -284,7 +290,7 @@ def report(args: argparse.Namespace, per_rank: list[dict]) -> None:
     cut = (1 - win / base) * 100 if base > 0 else float("nan")
     step_base, step_win = (max(r[m][4]["step"] for r in per_rank) for m in MODES)
     sync = ", blocking sync" if args.blocking_sync else ""
-    line = (f"demo {args.preset} EP 2{sync}, layers {args.layers} every step, {args.rounds} "
+    line = (f"demo {args.preset} EP 2{sync}, {args.point} of layers {args.layers} every step, {args.rounds} "
             f"alternating rounds of {args.steps} steps, medians over steps >= {args.warmup}, "
             f"profiled steps {args.warmup}..{args.steps - 2} of round 0: "
             + "; ".join(parts)
@@ -305,6 +311,13 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--preset", default="large")
     parser.add_argument("--layers", default="0,11,23", help="captured layers (all, or a list)")
+    parser.add_argument(
+        "--point",
+        default="hidden",
+        choices=("hidden", "moe_input"),
+        help="what is captured of each layer (the demo's --capture-point): moe_input is "
+        "right before the router and the token dispatch",
+    )
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument(
         "--attribute",

@@ -4,7 +4,12 @@ capture engine (syncless.capture), every ``--capture-every`` steps.
 Each chosen block's output (the residual stream after the block) is captured in the
 block's forward hook: a device-to-device copy into the engine's ring, drained to
 ``RUN_DIR/captures/`` by the engine's worker; read it back with
-``syncless.capture.open(run_dir)``. Tags are ``layer_XX/hidden``.
+``syncless.capture.open(run_dir)``. Tags are ``layer_XX/hidden``. With
+``--capture-point moe_input`` it is the MoE block's input instead (``layer_XX/moe_input``,
+the normalised residual its router reads), captured in the MoE block's forward-pre-hook:
+right before the router and the token dispatch, the worst place for a D2H copy to
+compete with an all-to-all, and what ``bench/capture_windows.py --point moe_input``
+measures windows against.
 
 ``--capture-windows`` (expert parallel): every all-to-all of the MoE layers is in a
 critical region: the token dispatch and combine (forward and backward). The counts
@@ -39,6 +44,8 @@ from syncless.demo.tools import DemoContext
 from syncless.errors import UsageError
 
 MIB = 1 << 20
+#: What ``--capture-point`` captures of each chosen layer.
+POINTS = ("hidden", "moe_input")
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int]:
@@ -60,10 +67,14 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
 class CaptureTool:
     name = "capture"
 
-    def __init__(self, layers: str, every: int = 10, windows: bool = False) -> None:
+    def __init__(
+        self, layers: str, every: int = 10, windows: bool = False, point: str = "hidden"
+    ) -> None:
         if every < 1:
             raise UsageError(f"--capture-every must be >= 1, got {every}")
-        self.spec, self.every, self.windows = layers, every, windows
+        if point not in POINTS:
+            raise UsageError(f"--capture-point {point!r}: expected one of {', '.join(POINTS)}")
+        self.spec, self.every, self.windows, self.point = layers, every, windows, point
         self.engine: CaptureEngine | None = None
         self._handles: list = []
         self._step = 0
@@ -85,9 +96,13 @@ class CaptureTool:
         self.engine = CaptureEngine(ring, staging, device=device, run=ctx.run)
         blocks: nn.ModuleList = ctx.model.layers  # type: ignore[assignment]
         for i in layers:
-            self._handles.append(
-                blocks[i].register_forward_hook(self._hook(f"layer_{i:02d}/hidden"))
-            )
+            capture = self._capture_fn(f"layer_{i:02d}/{self.point}")
+            if self.point == "hidden":  # the block's output: (hidden, balance)
+                handle = blocks[i].register_forward_hook(lambda _m, _a, out, c=capture: c(out[0]))
+            else:  # the MoE block's input, before its router runs
+                moe: nn.Module = blocks[i].moe  # type: ignore[assignment]
+                handle = moe.register_forward_pre_hook(lambda _m, args, c=capture: c(args[0]))
+            self._handles.append(handle)
         if self.windows:
             self._bracket_all_to_alls(ctx)
 
@@ -136,11 +151,11 @@ class CaptureTool:
 
         return bracketed
 
-    def _hook(self, tag: str):
-        def capture(_module: nn.Module, _args: tuple, output: tuple[torch.Tensor, ...]) -> None:
+    def _capture_fn(self, tag: str):
+        def capture(x: torch.Tensor) -> None:
             if self._on and torch.is_grad_enabled():  # the training forward only
                 assert self.engine is not None
-                self.engine.capture(tag, output[0].detach(), step=self._step)
+                self.engine.capture(tag, x.detach(), step=self._step)
 
         return capture
 

@@ -90,6 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="capture every N steps (default 10)",
     )
     tools.add_argument(
+        "--capture-point",
+        default="hidden",
+        choices=("hidden", "moe_input"),
+        help="what --capture takes of each layer: the block's output (hidden, default) "
+        "or the MoE block's input, right before its router and token dispatch",
+    )
+    tools.add_argument(
         "--capture-windows",
         action="store_true",
         help="with --capture and --expert-parallel: keep the capture's D2H copies out of "
@@ -146,7 +153,11 @@ def build_tools(args: argparse.Namespace) -> list:
                 "--capture-windows brackets the expert-parallel all-to-alls: it needs "
                 "--expert-parallel and more than one rank"
             )
-        tools.append(CaptureTool(args.capture, every=every, windows=args.capture_windows))
+        tools.append(
+            CaptureTool(
+                args.capture, every=every, windows=args.capture_windows, point=args.capture_point
+            )
+        )
     elif args.capture_every is not None or args.capture_windows:
         flag = "--capture-every" if args.capture_every is not None else "--capture-windows"
         raise UsageError(f"{flag} needs --capture LAYERS")

@@ -7,6 +7,7 @@ nothing else may be captured.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from syncless.capture import open as open_captures
@@ -14,31 +15,35 @@ from syncless.cli import main
 from syncless.demo.capture_tool import CaptureTool
 from syncless.demo.config import preset
 from syncless.demo.train import run_demo
+from syncless.errors import UsageError
 from syncless.guard import no_sync
 from syncless.run import open as open_run
 from syncless.testing import spawn_gloo
 
 
 class CloneOutputs:
-    """The reference: clones each chosen block's output at the capture steps."""
+    """The reference: clones each chosen block's output (or its MoE block's input) at
+    the capture steps."""
 
     name = "reference"
 
-    def __init__(self, layers: list[int], every: int) -> None:
-        self.layers, self.every = layers, every
+    def __init__(self, layers: list[int], every: int, point: str = "hidden") -> None:
+        self.layers, self.every, self.point = layers, every, point
         self.seen: dict[tuple[str, int], torch.Tensor] = {}
         self.step = 0
 
     def attach(self, ctx) -> None:
         for i in self.layers:
-            ctx.model.layers[i].register_forward_hook(self._hook(f"layer_{i:02d}/hidden"))
+            tag = f"layer_{i:02d}/{self.point}"
+            block = ctx.model.layers[i]
+            if self.point == "hidden":
+                block.register_forward_hook(lambda _m, _a, out, t=tag: self._clone(t, out[0]))
+            else:
+                block.moe.register_forward_pre_hook(lambda _m, a, t=tag: self._clone(t, a[0]))
 
-    def _hook(self, tag: str):
-        def clone(_m, _a, out):
-            if self.step % self.every == 0 and torch.is_grad_enabled():
-                self.seen[(tag, self.step)] = out[0].detach().clone()
-
-        return clone
+    def _clone(self, tag: str, x: torch.Tensor) -> None:
+        if self.step % self.every == 0 and torch.is_grad_enabled():
+            self.seen[(tag, self.step)] = x.detach().clone()
 
     def step_begin(self, step: int) -> None:
         self.step = step
@@ -54,12 +59,12 @@ class GuardedCapture(CaptureTool):
     """The demo's capture tool with every hook call, and every bracketed all-to-all,
     under no_sync(): neither may sync."""
 
-    def _hook(self, tag: str):
-        inner = super()._hook(tag)
+    def _capture_fn(self, tag: str):
+        inner = super()._capture_fn(tag)
 
-        def guarded(*args):
+        def guarded(x):
             with no_sync(cpu_as_device=True):
-                inner(*args)
+                inner(x)
 
         return guarded
 
@@ -73,10 +78,11 @@ class GuardedCapture(CaptureTool):
         return guarded
 
 
-def test_captured_hidden_states_equal_an_independent_clone(tmp_path):
+@pytest.mark.parametrize("point", ["hidden", "moe_input"])
+def test_captured_tensors_equal_an_independent_clone(tmp_path, point):
     cfg = preset("tiny", n_layers=3, steps=5)
-    reference = CloneOutputs([0, 2], every=2)
-    tools = [GuardedCapture("0,2", every=2), reference]
+    reference = CloneOutputs([0, 2], every=2, point=point)
+    tools = [GuardedCapture("0,2", every=2, point=point), reference]
     result = run_demo(cfg, run_dir=tmp_path / "run", quiet=True, tools=tools)
     store = open_captures(result.run_dir)
     got = {
@@ -92,7 +98,7 @@ def test_captured_hidden_states_equal_an_independent_clone(tmp_path):
     assert (
         set(got)
         == set(reference.seen)
-        == {(f"layer_{i:02d}/hidden", s) for i in (0, 2) for s in (0, 2, 4)}
+        == {(f"layer_{i:02d}/{point}", s) for i in (0, 2) for s in (0, 2, 4)}
     )
     for key, tensor in got.items():
         want = reference.seen[key]
@@ -105,6 +111,8 @@ def test_bad_capture_flags(capsys):
     assert "expected 'all' or a comma list of layer indices in 0..1" in capsys.readouterr().err
     assert main(["demo", "--capture-every", "3"]) == 2
     assert "--capture-every needs --capture LAYERS" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="--capture-point 'q': expected one of hidden, moe_input"):
+        CaptureTool("0", point="q")
 
 
 def _windows_worker(rank, world, root):
