@@ -204,7 +204,7 @@ def worker(args: argparse.Namespace) -> None:
             if reference is not None and mode == "windows" and tool.engine is not None:
                 print_window_log(tool.engine, rank, args.warmup, args.steps - 2)
             if reference is not None and rank == 0:
-                print(f"{mode} round 0, capture counters over the run, both ranks: "
+                print(f"{mode} round 0, capture counters over the run, rank 0: "
                       + ", ".join(f"{k} {v:g}" for k, v in counters(run_dir).items()))  # fmt: skip
             if reference is not None:
                 exact, n = byte_exact(run_dir, rank, reference)

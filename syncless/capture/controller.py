@@ -31,7 +31,20 @@ Budget (the bytes a window may carry next)
       * B``); then A, because the few bytes left are not worth an overrun per occurrence;
     * only A: A, or E when it is larger (E is how a window learns it can carry more than
       it has been offered so far).
-    The budget never exceeds the staging bytes.
+    The budget never exceeds the staging bytes, nor (``short_occurrence_cap``, on by
+    default), once the engine passes window
+    durations (``window_s``) and a clean transfer has measured the D2H bandwidth, what
+    the window's short occurrences can carry: the ``estimate_quantile`` of the
+    durations of its latest ``estimate_history`` occurrences times the recent bandwidth
+    (median) times ``estimate_margin`` (``short_occurrences``). Why: A is what the
+    window's *long* occurrences proved; on the H200s' host-bound expert-parallel step a
+    window's length varies from one step to the next (0.37-0.49 ms against 0.7 ms, at
+    9b1b4da), so a budget of A overran in the short ones, over and over, each overrun
+    a capacity shift that A and E relearnt from the long ones. Every occurrence's
+    duration is evidence here, not only those that carried a transfer. On a window of
+    fixed length the cap is E's margin below its capacity, reached after one clean
+    transfer instead of a bisection: the rules above, bisection included, are what the
+    controller does without timings (``short_occurrence_cap=False`` runs them alone).
 
 Grant (what the engine copies)
     The largest prefix of the ready records whose total is at most the budget: records
@@ -98,6 +111,8 @@ class GrantReason(str, Enum):
     CONVERGED = "converged"  # A < B, bracket narrow: A
     SAFE = "safe"  # only A, E not larger: A
     ESTIMATE = "estimate"  # only A, E larger: E
+    SHORT_OCCURRENCES = "short_occurrences"  # the evidence's budget, capped by timing
+    # for the window's short recent occurrences (see the module docstring)
     PROBE = "probe"  # the first record exceeds the budget: it goes alone
     COOLDOWN = "cooldown"  # the first record exceeds the budget, probes backing off
     TOO_SHORT = "too_short"  # the first record exceeds the budget and the window's last
@@ -153,6 +168,9 @@ class ControllerConfig:
     #: The bandwidth that rules probes out is the median of this many latest clean
     #: transfers (any window).
     bandwidth_history: int = 16
+    #: Cap every budget at what the window's short recent occurrences carry by timing
+    #: (module docstring); False: the evidence rules alone.
+    short_occurrence_cap: bool = True
     #: Longest cooldown (occurrences skipped) after repeated failed probes.
     probe_cooldown_max: int = 64
     #: This many capacity flushes ...
@@ -172,6 +190,11 @@ class ControllerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ControllerConfig.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.short_occurrence_cap, bool):
+            raise ValueError(
+                f"ControllerConfig.short_occurrence_cap must be True or False, got "
+                f"{self.short_occurrence_cap!r}"
+            )
         fraction, margin = self.converged_fraction, self.estimate_margin
         if not (_is_real(fraction) and 0.0 <= fraction < 1.0):
             raise ValueError(
@@ -232,6 +255,8 @@ class _Window:
     estimate: int | None = None
     #: Capacities (bytes, before the margin) measured in the latest clean occurrences.
     capacities: deque[float] = field(default_factory=deque)
+    #: Durations (s) of its latest occurrences, as the engine passed them to grant().
+    durations: deque[float] = field(default_factory=deque)
     failed_probes: int = 0
     probe_allowed_from: int = 0
 
@@ -360,6 +385,11 @@ class GrantController:
         """
         w = self._window(position)
         self._advance(_nonneg_int(occurrence, "occurrence"))
+        if window_s is not None:
+            _check_duration(window_s)
+            w.durations.append(window_s)
+            if len(w.durations) > self._config.estimate_history:
+                w.durations.popleft()
         if self._fallback_reason is not None or self._suspended:
             reason = GrantReason.FALLBACK if self._fallback_reason else GrantReason.SUSPENDED
             return self._make(position, occurrence, self._staging, ready, reason)
@@ -385,8 +415,6 @@ class GrantController:
         """Would ``nbytes`` at the recent bandwidth outlast a window of ``window_s``?"""
         if window_s is None or not self._bandwidths:
             return False
-        if not (_is_real(window_s) and math.isfinite(window_s) and window_s >= 0):
-            raise ValueError(f"window_s must be a finite number >= 0, got {window_s!r}")
         return window_s * statistics.median(self._bandwidths) < nbytes
 
     def complete(
@@ -509,7 +537,20 @@ class GrantController:
             budget, reason = a, GrantReason.CONVERGED
         else:
             budget, reason = (a + b) // 2, GrantReason.MIDPOINT
-        return min(budget, self._staging), reason
+        budget = min(budget, self._staging)
+        cap = self._short_occurrences_cap(w)
+        if cap is not None and cap < budget:
+            return cap, GrantReason.SHORT_OCCURRENCES
+        return budget, reason
+
+    def _short_occurrences_cap(self, w: _Window) -> int | None:
+        """What the window's short recent occurrences can carry (module docstring)."""
+        if not (self._config.short_occurrence_cap and w.durations and self._bandwidths):
+            return None
+        config = self._config
+        ordered = sorted(w.durations)
+        short = ordered[math.floor(config.estimate_quantile * (len(ordered) - 1))]
+        return round(short * statistics.median(self._bandwidths) * config.estimate_margin)
 
     def _make(
         self,
@@ -645,6 +686,11 @@ class GrantController:
         low = ordered[math.floor(config.estimate_quantile * (len(ordered) - 1))]
         # Rounded, not floored: 9e6 computed in floats must not come out as 8999999.
         w.estimate = round(low * config.estimate_margin)
+
+
+def _check_duration(window_s: object) -> None:
+    if not (_is_real(window_s) and math.isfinite(window_s) and window_s >= 0):  # type: ignore[arg-type]
+        raise ValueError(f"window_s must be a finite number >= 0, got {window_s!r}")
 
 
 def _chain(first: int, rest: Iterable[int]) -> Iterable[int]:

@@ -584,3 +584,29 @@ def test_without_a_measured_bandwidth_timing_rules_nothing_out():
     g = ctl.grant(0, 0, [400])
     ctl.complete(g, before_close=False)  # no timings: no bandwidth
     assert ctl.grant(0, 1, [400], window_s=1e-9).reason is GrantReason.PROBE
+
+
+def test_budget_is_capped_by_the_windows_short_recent_occurrences() -> None:
+    """A window proven to carry 64 MiB in a long occurrence is budgeted, from then on,
+    for the short ones it has had lately: 0.9 x the measured bandwidth x the 10%
+    quantile of its latest 16 durations (the minimum while there are at most 10)."""
+    mib = 1 << 20
+    ctl = GrantController(64 * mib)
+    ctl.define_pattern(WindowPattern(2, [(0, 1)]))
+    ready = [8 * mib] * 8
+    g = ctl.grant(0, 0, ready)  # no evidence: all of it
+    assert g.nbytes == 64 * mib
+    ctl.complete(g, before_close=True, transfer_s=64 * mib / 50e9, window_s=2e-3)
+    durations = [0.7e-3, 0.7e-3, 0.45e-3, 0.7e-3, 0.7e-3]
+    seen: list[float] = []
+    for occurrence, window_s in enumerate(durations, start=1):
+        seen.append(window_s)
+        g = ctl.grant(0, occurrence, ready, window_s=window_s)
+        cap = round(min(seen) * 50e9 * 0.9)  # 31.5e6, then 20.25e6 from the short one on
+        assert (g.budget, g.reason) == (cap, GrantReason.SHORT_OCCURRENCES)
+        assert g.nbytes == cap // (8 * mib) * 8 * mib  # whole records: 3, then 2
+    uncapped = GrantController(64 * mib, ControllerConfig(short_occurrence_cap=False))
+    uncapped.define_pattern(WindowPattern(2, [(0, 1)]))
+    g = uncapped.grant(0, 0, ready)
+    uncapped.complete(g, before_close=True, transfer_s=64 * mib / 50e9, window_s=2e-3)
+    assert uncapped.grant(0, 1, ready, window_s=0.45e-3).budget == 64 * mib  # A alone

@@ -2,7 +2,9 @@
 
 Every trace under traces/ runs at 1 GB/s, i.e. 1000 bytes per microsecond, so a window
 of W us carries W * 1000 bytes; records are 1 MiB. The controller's defaults apply:
-converged_fraction 0.25, fallback after 3 capacity flushes within 16 occurrences.
+converged_fraction 0.25, fallback after 3 capacity flushes within 16 occurrences. The
+hand-worked traces run the evidence rules alone (``short_occurrence_cap`` off: with it
+a window is capped by timing after its first clean transfer, see the tests at the end).
 """
 
 from __future__ import annotations
@@ -178,6 +180,7 @@ def test_two_windows_and_oversized_records() -> None:
         "d2h_gb_per_s": 2,  # 2000 bytes per us
         "window_us": [5000, 100],  # 10,000,000 and 200,000 bytes
         "records": {"sizes": [MiB, 4 * MiB, MiB, MiB]},
+        "controller": {"short_occurrence_cap": False},
     }
     s = simulate(parse_trace(trace))
     # Each occurrence [1, 4, 1, 1] MiB arrive; the 4 MiB record exceeds staging.
@@ -209,7 +212,9 @@ def test_windows_that_vary_are_budgeted_for_their_short_occurrences() -> None:
     shortest occurrence here is shorter still, so it converges no later)."""
     trace = json.loads((TRACES / "jitter.json").read_text())
     history = simulate(parse_trace(trace))
-    latest = simulate(parse_trace({**trace, "controller": {"estimate_history": 1}}))
+    latest = simulate(
+        parse_trace({**trace, "controller": {"short_occurrence_cap": False, "estimate_history": 1}})
+    )
     static = simulate(parse_trace({**trace, "jitter": {"fraction": 0}}))
     assert static["overruns"] == 5 and static["transfers"] == 300
     assert history["overruns"] <= static["overruns"]
@@ -220,6 +225,35 @@ def test_windows_that_vary_are_budgeted_for_their_short_occurrences() -> None:
     assert 0.95 * latest["bytes_by_path"]["windows"] <= windows < latest["bytes_by_path"]["windows"]
     # the same draws every run
     assert simulate(parse_trace(trace)) == history
+
+
+def test_the_short_occurrence_cap_budgets_a_window_for_its_short_occurrences() -> None:
+    """The default controller on the jitter trace: every occurrence's duration is
+    evidence, so after the first clean transfer (which measures the bandwidth) no
+    occurrence is budgeted above 0.9 x bandwidth x its short recent durations; only the
+    first, no-evidence transfer overruns."""
+    trace = json.loads((TRACES / "jitter.json").read_text())
+    evidence_only = simulate(parse_trace(trace))
+    capped = simulate(parse_trace({**trace, "controller": {}}))
+    assert capped["overruns"] == 1 < evidence_only["overruns"]
+    assert capped["bytes_overlapping_critical"] < evidence_only["bytes_overlapping_critical"]
+    assert capped["controller_counts"]["grant/short_occurrences"] > 0
+
+
+def test_static_window_with_the_short_occurrence_cap() -> None:
+    """static.json with the default controller. occ 0: no evidence, 64 MiB -> overrun
+    (67.1 ms in a 10 ms window), B = 64 MiB, bandwidth 1 GB/s measured. occ 1: the
+    window lasted 10 ms, so the cap is 0.9 x 1 GB/s x 10 ms = 9,000,000 bytes, below
+    B / 2: 8 records (8 MiB) -> fine, A = 8 MiB. Converged at 1, not after a bisection."""
+    trace = {**json.loads((TRACES / "static.json").read_text()), "controller": {}}
+    s = simulate(parse_trace(trace))
+    assert s["overruns"] == 1
+    assert s["converged_at_occurrence"] == 1
+    assert s["grants"] == [9_000_000]
+    assert s["bytes_overlapping_critical"] == 64 * MiB - 10_000_000
+    assert s["evidence"] == [
+        {"safe_bytes": 8 * MiB, "unsafe_bytes": 64 * MiB, "estimate_bytes": 9_000_000}
+    ]
 
 
 def test_uniform_records_are_reproducible() -> None:
@@ -311,6 +345,10 @@ def _with(**changes) -> dict:
         (_with(changes=[{"occurrence": 1}]), [".changes[0] changes nothing"]),
         (_with(controller={"unsafe_expiry": 0}), [".controller: ControllerConfig.unsafe_expiry"]),
         (_with(controller={"expiry": 5}), [".controller has unknown key(s) 'expiry'"]),
+        (
+            _with(controller={"short_occurrence_cap": 1}),
+            [".controller: ControllerConfig.short_occurrence_cap must be True or False"],
+        ),
         (_with(jitter={"fraction": 1}), [".jitter.fraction is 1; expected [0, 1)"]),
         (_with(jitter={"seed": 1}), [".jitter is missing 'fraction'"]),
         (
