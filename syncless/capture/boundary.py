@@ -99,23 +99,13 @@ class HostTimeline(Timeline):
 class DeviceTimeline(Timeline):
     """CUDA: stamps are timing events; elapsed times come from the device clock.
 
-    Stamps are not ``blocking`` events: on the H200, recording a blocking timing event
-    on a stream with work queued cost the host 54 us, a plain timing event 1.8 us
-    (bench/RESULTS.md, driver_calls, e69fff3), and the stamps are recorded on the
-    training thread (a boundary, a planned launch). The drain still sleeps while it
-    waits: ``wait`` has a stream of its own wait for the stamp and sleeps on a blocking
-    event recorded there, on the drain's thread, which can afford the 54 us.
+    Events are ``blocking``: a drain waiting on one sleeps instead of spinning a core.
     """
 
     blocks = True
 
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self._waiter: torch.cuda.Stream | None = None
-        self._wake: torch.cuda.Event | None = None
-
     def stamp(self, stream: Any = None) -> torch.cuda.Event:
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = torch.cuda.Event(enable_timing=True, blocking=True)
         ev.record(stream)
         return ev
 
@@ -123,15 +113,7 @@ class DeviceTimeline(Timeline):
         return stamp.query()
 
     def wait(self, stamp: Stamp) -> None:
-        """Sleep until the device reaches ``stamp`` (any event: a stamp, a record's)."""
-        if stamp.query():
-            return
-        if self._waiter is None or self._wake is None:
-            self._waiter = torch.cuda.Stream(self._device)
-            self._wake = torch.cuda.Event(blocking=True)
-        self._waiter.wait_event(stamp)
-        self._wake.record(self._waiter)
-        self._wake.synchronize()  # releases the GIL and sleeps (blocking event)
+        stamp.synchronize()  # releases the GIL while it waits
 
     def elapsed_s(self, a: Stamp, b: Stamp) -> float | None:
         try:
@@ -209,11 +191,11 @@ class BoundaryClock:
         # Which boundary (as a packed word) each slot's stamp belongs to.
         self._owner: list[int] = [-1] * pool
         if self._cuda:
-            # Not blocking: see DeviceTimeline (54 us against 1.8 us per record).
             self._stamps: list[Any] = [
-                torch.cuda.Event(enable_timing=True, external=True) for _ in range(pool)
+                torch.cuda.Event(enable_timing=True, blocking=True, external=True)
+                for _ in range(pool)
             ]
-            self.timeline: Timeline = DeviceTimeline(device)
+            self.timeline: Timeline = DeviceTimeline()
         else:
             self._stamps = [0.0] * pool
             self.timeline = HostTimeline(clock)

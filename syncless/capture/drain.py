@@ -297,7 +297,7 @@ class DrainWorker:
             return False
         rec = self._queue.peek(i)
         if rec.state == WRITTEN and rec.event is not None and not rec.event.query():
-            self._timeline.wait(rec.event)  # sleeps: the record's event does not block
+            rec.event.synchronize()
             return True
         return False
 
