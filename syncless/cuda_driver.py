@@ -73,7 +73,7 @@ class Driver:
         ``cuStreamBatchMemOp``, in that order on the stream; None without the call.
 
         Why: each driver call is a few microseconds of the host, and a caller that
-        writes two words per event (the capture boundaries, ~240 per step in the
+        writes two words per event (the capture boundaries, 192 per step in the
         expert-parallel demo) pays one call instead of two. The parameter array is
         built once; a call sets the two values in place.
         """

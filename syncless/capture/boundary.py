@@ -17,9 +17,9 @@ captured record becomes a graph node). The word is exact under graph replay.
 Eagerly (not under graph capture) the same boundary is two CUDA driver calls that keep
 the GIL (:mod:`syncless.cuda_driver`): the event record, and one batch of two stream
 writes (``cuStreamBatchMemOp``; two calls where the driver lacks it), the count into
-the device counter and the word, which the host already knows, into the pinned word. In the expert-parallel demo on two H200s (~240
-boundaries per step) the torch ops cost 15-22 ms of host time per step, the driver
-calls 6.97 ms (bench/RESULTS.md, capture_windows, 3746a75 to 07d36f0, and a9d2e96). The
+the device counter and the word, which the host already knows, into the pinned word.
+In the expert-parallel demo on two H200s (192 boundaries per step) the torch ops cost
+15-22 ms of host time per step, the driver calls 6.97 ms (bench/RESULTS.md, capture_windows, 3746a75 to 07d36f0, and a9d2e96). The
 device counter stays exact, so a graph captured later counts on from it; once any
 boundary has been captured, every later one takes the torch path, because a replay
 advances the device count without the host's mirror.
@@ -125,9 +125,9 @@ class DeviceTimeline(Timeline):
 
 
 class _EagerBoundary:
-    """One boundary as three driver calls, everything they need bound once: ~240
-    boundaries per step in the expert-parallel demo make every Python lookup on this
-    path host time of the training step."""
+    """One boundary as two driver calls (three without the batch call), everything they
+    need bound once: 192 boundaries per step in the expert-parallel demo make every
+    Python lookup on this path host time of the training step."""
 
     def __init__(
         self,
