@@ -91,8 +91,10 @@ class EngineConfig:
             so any dtype can be viewed in place; larger values help copy speed).
         boundary_pool: boundaries whose device stamps are kept; a window whose OPEN or
             CLOSE is this many boundaries old when the drain looks is not measured.
-        poll_interval_s: how often an idle drain worker looks at the ring and the
-            boundary word.
+        poll_interval_s: how often an idle drain looks at the ring and the boundary
+            word where nothing wakes it: windows the drain observes (the CPU), and an
+            inline drain (``background=False``). A batching or planned drain thread
+            sleeps until woken instead.
         late_issue_s: a window transfer that starts later than this after the OPEN (on
             the device timeline) was issued late: the controller learns nothing from it.
         shard_bytes: the writer writes a shard once this many bytes are waiting
