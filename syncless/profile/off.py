@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from syncless.hot_path import hot_path
 from syncless.profile.wrappers import CollectiveWrappers
+
+if TYPE_CHECKING:
+    from syncless.profile.profiler import ModuleHandle
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -63,8 +65,8 @@ class NullProfiler(CollectiveWrappers):
 
     def hook_module(
         self, module: nn.Module, name: str, category: str = "compute", bytes: int = 0
-    ) -> list[RemovableHandle]:
-        return []  # no hooks: a module profiled "off" runs exactly as without a profiler
+    ) -> list[ModuleHandle]:
+        return []  # no wrapper: a module profiled "off" runs exactly as without a profiler
 
     @hot_path
     def collective(

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from syncless.hot_path import hot_path
 from syncless.profile import names as _names
@@ -60,6 +59,23 @@ class _Span:
     @hot_path
     def __exit__(self, *exc: object) -> None:
         self._prof._close(self)
+
+
+class ModuleHandle:
+    """What ``Profiler.hook_module`` returns: ``remove()`` puts the module's forward
+    back, unless something wrapped it again since (then that wrapper keeps ours)."""
+
+    def __init__(self, module: nn.Module, wrapper: Callable[..., Any], previous: Any) -> None:
+        self._module, self._wrapper, self._previous = module, wrapper, previous
+
+    def remove(self) -> None:
+        module = self._module
+        if module.__dict__.get("forward") is not self._wrapper:
+            return  # removed already, or wrapped again since
+        if self._previous is None:
+            del module.forward  # the class's forward again
+        else:
+            module.forward = self._previous  # type: ignore[method-assign]
 
 
 class Profiler(CollectiveWrappers):
@@ -349,54 +365,57 @@ class Profiler(CollectiveWrappers):
 
     def hook_module(
         self, module: nn.Module, name: str, category: str = "compute", bytes: int = 0
-    ) -> list[RemovableHandle]:
-        """Time every forward of ``module`` as section ``name``: a forward-pre-hook opens
-        it and a forward hook closes it. Returns the hook handles (``remove()`` them).
+    ) -> list[ModuleHandle]:
+        """Time every forward of ``module`` as section ``name``: its ``forward`` is
+        wrapped in one frame that opens the section, runs it and closes the section
+        (also when it raises). Returns a handle; ``remove()`` puts ``forward`` back.
 
-        Same spans as ``begin_section``/``end_section`` in the two hooks, for about half
-        the host time: each hook is one Python frame around the timer's mark, with the
-        section id and its span object bound at the first call instead of looked up at
-        every call (the demo's ``large`` preset opens 72 module sections per step). A
-        call the short path cannot take (outside a step, a re-entered module, a section
-        closed out of order, NVTX on) takes the general path.
+        Same spans as ``begin_section``/``end_section`` around the forward, for less
+        host time: the section id and its span object are bound at the first call, and
+        a wrapper, unlike a forward-pre-hook and a forward hook, does not take torch's
+        hook dispatch (an identity module's call with the profiler's two hooks cost
+        3.51 us on the CI host, 2.36 of it with empty hooks, against 0.80 plain:
+        bench/RESULTS.md, hook_dispatch). A call the short path cannot take (outside a
+        step, a re-entered module, a section closed out of order, NVTX on) takes the
+        general path. Other hooks on the module run outside the section.
         """
         span = _Span(self, -1, bytes)  # reused: one module's forwards do not overlap
         clock = time.perf_counter_ns
         mark = self._timer.mark
         stack = self._stack  # cleared in place, never replaced
         calls, sizes = self._calls, self._bytes
+        previous = module.__dict__.get("forward")  # another wrapper, or None
+        inner = module.forward
 
         @hot_path
-        def open_section(_module: nn.Module, _args: Any) -> None:
+        def timed_forward(*args: Any, **kwargs: Any) -> Any:
             t_in = clock()
             if span._sid < 0 or span._token is not None or not self._in_step or self.nvtx:
                 self._open_slow(span, name, category, bytes)
-                return
-            stack.append(span)
-            span._token = mark()
-            self._self_ns += clock() - t_in
+            else:
+                stack.append(span)
+                span._token = mark()
+                self._self_ns += clock() - t_in
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                t_in = clock()
+                token = span._token
+                if token is None or not stack or stack[-1] is not span or self.nvtx:
+                    self._close_slow(span)
+                else:
+                    end = mark()
+                    stack.pop()
+                    sid = span._sid
+                    self._spans.append((sid, token, end))
+                    calls[sid] += 1
+                    if bytes:
+                        sizes[sid] += bytes
+                    span._token = None
+                    self._self_ns += clock() - t_in
 
-        @hot_path
-        def close_section(_module: nn.Module, _args: Any, _output: Any) -> None:
-            t_in = clock()
-            token = span._token
-            if token is None or not stack or stack[-1] is not span or self.nvtx:
-                self._close_slow(span)
-                return
-            end = mark()
-            stack.pop()
-            sid = span._sid
-            self._spans.append((sid, token, end))
-            calls[sid] += 1
-            if bytes:
-                sizes[sid] += bytes
-            span._token = None
-            self._self_ns += clock() - t_in
-
-        return [
-            module.register_forward_pre_hook(open_section),
-            module.register_forward_hook(close_section),
-        ]
+        module.forward = timed_forward  # type: ignore[method-assign]
+        return [ModuleHandle(module, timed_forward, previous)]
 
     def _open_slow(self, span: _Span, name: str, category: str, nbytes: int) -> None:
         """``hook_module``'s pre-hook when its short path does not apply."""

@@ -1,4 +1,4 @@
-"""``Profiler.hook_module``: module sections through the short hook path.
+"""``Profiler.hook_module``: module sections through a wrapped forward.
 
 A fake timer whose marks are consecutive integers makes every span's length a count
 of the marks taken inside it, so the expected times are worked out by hand below.
@@ -172,6 +172,67 @@ def test_removed_hooks_and_off_leave_the_module_unhooked():
     model, handles = _hooked(prof)
     for h in handles:
         h.remove()
-    assert not model.a._forward_hooks and not model.a._forward_pre_hooks
+    for m in (model.a, model.b, model.b.inner):
+        assert "forward" not in m.__dict__  # the class's forward again
+        assert not m._forward_hooks and not m._forward_pre_hooks
     assert OFF.hook_module(model.a, "a") == []
-    assert not model.a._forward_hooks and not model.a._forward_pre_hooks
+    assert "forward" not in model.a.__dict__
+
+
+class _Raises(nn.Module):
+    def forward(self, x):
+        raise ValueError("boom")
+
+
+def test_a_forward_that_raises_still_closes_its_section():
+    prof = _profiler()
+    model = _Raises()
+    prof.hook_module(model, "r")
+    with no_sync(cpu_as_device=True), prof.step(0), pytest.raises(ValueError, match="boom"):
+        model(torch.ones(1))
+    rep = prof.report(force=True)
+    assert rep.row("r").calls_per_step == 1.0
+    assert rep.row("r").ms_per_step == pytest.approx(1.0)  # its open and close marks
+    assert rep.values["profile/self/misuse_count"] == 0.0  # nothing left open at the end
+
+
+def test_other_hooks_on_the_module_run_outside_its_section():
+    """A forward-pre-hook that takes a mark itself (a tick) is not inside the section."""
+    prof = _profiler()
+    model = _Leaf()
+    prof.hook_module(model, "leaf")
+    model.register_forward_pre_hook(lambda m, a: prof._timer.mark())
+    with no_sync(cpu_as_device=True), prof.step(0):
+        model(torch.ones(1))
+    rep = prof.report(force=True)
+    assert rep.row("leaf").ms_per_step == pytest.approx(1.0)  # the hook's tick is outside
+
+
+def test_remove_restores_an_earlier_wrapper_and_leaves_a_later_one():
+    prof = _profiler()
+    model = _Leaf()
+    calls: list[str] = []
+    own = model.forward
+
+    def earlier(x):
+        calls.append("earlier")
+        return own(x)
+
+    model.forward = earlier
+    (handle,) = prof.hook_module(model, "leaf")
+    with no_sync(cpu_as_device=True), prof.step(0):
+        out = model(torch.ones(1))
+    assert torch.equal(out, torch.full((1,), 2.0))
+    assert calls == ["earlier"]
+    handle.remove()
+    assert model.__dict__["forward"] is earlier  # put back as it was
+    handle.remove()  # twice: nothing more
+    (handle,) = prof.hook_module(model, "leaf")
+    timed = model.__dict__["forward"]
+
+    def later(x):
+        return timed(x)
+
+    model.forward = later  # someone wraps ours
+    handle.remove()
+    assert model.__dict__["forward"] is later  # theirs stays (and still calls ours)
