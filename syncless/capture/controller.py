@@ -38,9 +38,10 @@ Budget (the bytes a window may carry next)
     durations of its latest ``estimate_history`` occurrences times the recent bandwidth
     (median) times ``estimate_margin`` (``short_occurrences``). Why: A is what the
     window's *long* occurrences proved; on the H200s' host-bound expert-parallel step a
-    window's length varies from one step to the next (0.37-0.49 ms against 0.7 ms, at
-    9b1b4da), so a budget of A overran in the short ones, over and over, each overrun
-    a capacity shift that A and E relearnt from the long ones. Every occurrence's
+    window's length varies from one step to the next (one that had carried 32 MiB, a
+    0.61 ms copy, lasted 0.37-0.49 ms in three later steps at 9b1b4da), so a budget of
+    A overran in the short ones, over and over, each overrun a capacity shift that A
+    and E relearnt from the long ones. Every occurrence's
     duration is evidence here, not only those that carried a transfer. On a window of
     fixed length the cap is E's margin below its capacity, reached after one clean
     transfer instead of a bisection: the rules above, bisection included, are what the
