@@ -19,10 +19,11 @@ the GIL (:mod:`syncless.cuda_driver`): the event record, and one batch of two st
 writes (``cuStreamBatchMemOp``; two calls where the driver lacks it), the count into
 the device counter and the word, which the host already knows, into the pinned word.
 In the expert-parallel demo on two H200s (192 boundaries per step) the torch ops cost
-15-22 ms of host time per step, the driver calls 6.97 ms (bench/RESULTS.md, capture_windows, 3746a75 to 07d36f0, and a9d2e96). The
-device counter stays exact, so a graph captured later counts on from it; once any
-boundary has been captured, every later one takes the torch path, because a replay
-advances the device count without the host's mirror.
+15-22 ms of host time per step, the driver calls 6.97 ms (bench/RESULTS.md,
+capture_windows, 3746a75 to 07d36f0, and a9d2e96). The device counter stays exact, so a
+graph captured later counts on from it; once any boundary has been captured, every
+later one takes the torch path, because a replay advances the device count without the
+host's mirror.
 
 On CPU the same steps run synchronously and a boundary's time is the host clock when
 ``advance`` is called (the clock is injectable, for tests).

@@ -32,20 +32,20 @@ Budget (the bytes a window may carry next)
     * only A: A, or E when it is larger (E is how a window learns it can carry more than
       it has been offered so far).
     The budget never exceeds the staging bytes, nor (``short_occurrence_cap``, on by
-    default), once the engine passes window
-    durations (``window_s``) and a clean transfer has measured the D2H bandwidth, what
-    the window's short occurrences can carry: the ``estimate_quantile`` of the
-    durations of its latest ``estimate_history`` occurrences times the recent bandwidth
-    (median) times ``estimate_margin`` (``short_occurrences``). Why: A is what the
-    window's *long* occurrences proved; on the H200s' host-bound expert-parallel step a
-    window's length varies from one step to the next (one that had carried 32 MiB, a
-    0.61 ms copy, lasted 0.37-0.49 ms in three later steps at 9b1b4da), so a budget of
-    A overran in the short ones, over and over, each overrun a capacity shift that A
-    and E relearnt from the long ones. Every occurrence's
-    duration is evidence here, not only those that carried a transfer. On a window of
-    fixed length the cap is E's margin below its capacity, reached after one clean
-    transfer instead of a bisection: the rules above, bisection included, are what the
-    controller does without timings (``short_occurrence_cap=False`` runs them alone).
+    default), once the engine passes window durations (``window_s``) and a clean
+    transfer has measured the D2H bandwidth, what the window's short occurrences can
+    carry: the ``estimate_quantile`` of the durations of its latest ``estimate_history``
+    occurrences times the recent bandwidth (median) times ``estimate_margin``
+    (``short_occurrences``). Why: A is what the window's *long* occurrences proved; on
+    the H200s' host-bound expert-parallel step a window's length varies from one step
+    to the next (one that had carried 32 MiB, a 0.61 ms copy, lasted 0.37-0.49 ms in
+    three later steps at 9b1b4da), so a budget of A overran in the short ones, over and
+    over, each overrun a capacity shift that A and E relearnt from the long ones. Every
+    occurrence's duration is evidence here, not only those that carried a transfer. On
+    a window of fixed length the cap is E's margin below its capacity, reached after
+    one clean transfer instead of a bisection: the rules above, bisection included, are
+    what the controller does without timings (``short_occurrence_cap=False`` runs them
+    alone).
 
 Grant (what the engine copies)
     The largest prefix of the ready records whose total is at most the budget: records
@@ -416,7 +416,11 @@ class GrantController:
         """Would ``nbytes`` at the recent bandwidth outlast a window of ``window_s``?"""
         if window_s is None or not self._bandwidths:
             return False
-        return window_s * statistics.median(self._bandwidths) < nbytes
+        return window_s * self._bandwidth() < nbytes
+
+    def _bandwidth(self) -> float:
+        """Bytes/s of the recent clean transfers (their median); callers check any."""
+        return statistics.median(self._bandwidths)
 
     def complete(
         self,
@@ -549,9 +553,8 @@ class GrantController:
         if not (self._config.short_occurrence_cap and w.durations and self._bandwidths):
             return None
         config = self._config
-        ordered = sorted(w.durations)
-        short = ordered[math.floor(config.estimate_quantile * (len(ordered) - 1))]
-        return round(short * statistics.median(self._bandwidths) * config.estimate_margin)
+        short = _low_quantile(w.durations, config.estimate_quantile)
+        return round(short * self._bandwidth() * config.estimate_margin)
 
     def _make(
         self,
@@ -683,10 +686,16 @@ class GrantController:
         w.capacities.append(nbytes / transfer_s * window_s)
         while len(w.capacities) > config.estimate_history:
             w.capacities.popleft()
-        ordered = sorted(w.capacities)
-        low = ordered[math.floor(config.estimate_quantile * (len(ordered) - 1))]
+        low = _low_quantile(w.capacities, config.estimate_quantile)
         # Rounded, not floored: 9e6 computed in floats must not come out as 8999999.
         w.estimate = round(low * config.estimate_margin)
+
+
+def _low_quantile(values: Iterable[float], quantile: float) -> float:
+    """The ``quantile`` of ``values`` (non-empty), a lower order statistic, no
+    interpolation: the value of one real occurrence."""
+    ordered = sorted(values)
+    return ordered[math.floor(quantile * (len(ordered) - 1))]
 
 
 def _check_duration(window_s: object) -> None:

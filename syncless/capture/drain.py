@@ -611,9 +611,8 @@ class DrainWorker:
         prefix = self._ready_prefix(self._staging_largest())
         with self._ctl_lock:
             pattern = self._ctl.pattern
-        period = pattern.period if pattern is not None else 0
-        last_s = self._last_duration(version, open_b, close_b, period) if prefix else None
-        with self._ctl_lock:
+            period = pattern.period if pattern is not None else 0
+            last_s = self._last_duration(version, open_b, close_b, period) if prefix else None
             grant = self._ctl.grant(position, occurrence, (r.span for r in prefix), last_s)
         self._stats.add("window_grants_count")
         if grant.records == 0:

@@ -418,7 +418,7 @@ class Profiler(CollectiveWrappers):
         return [ModuleHandle(module, timed_forward, previous)]
 
     def _open_slow(self, span: _Span, name: str, category: str, nbytes: int) -> None:
-        """``hook_module``'s pre-hook when its short path does not apply."""
+        """``hook_module``'s open when its short path does not apply."""
         if span._token is not None:  # the module re-entered itself: a span of its own
             self.begin_section(name, category, nbytes)
             return
@@ -426,7 +426,7 @@ class Profiler(CollectiveWrappers):
         self._open(span)
 
     def _close_slow(self, span: _Span) -> None:
-        """``hook_module``'s forward hook when its short path does not apply: close the
+        """``hook_module``'s close when its short path does not apply: close the
         innermost open span of the section (a re-entered call's own span, or ``span``
         with whatever was left open inside it)."""
         if self._in_step:  # else, as end_section: its begin was counted already
@@ -616,7 +616,7 @@ class Profiler(CollectiveWrappers):
 
     def _reset_window(self) -> None:
         n = len(self._meta)
-        # In place: hook_module's hooks hold these lists.
+        # In place: hook_module's wrappers hold these lists.
         self._time_ns[:] = [0.0] * n
         self._calls[:] = [0] * n
         self._bytes[:] = [0] * n
