@@ -289,7 +289,7 @@ class Profiler(CollectiveWrappers):
                 for _ in self._stack:
                     torch.cuda.nvtx.range_pop()  # keep the NVTX stack balanced
             self._stack.clear()  # their spans are dropped: they have no end
-        end = self._timer.mark()
+        end = self._timer.mark_end(self._step_token)
         self._spans.append((self._step_sid, self._step_token, end))
         self._calls[self._step_sid] += 1
         self._in_step = False
@@ -379,9 +379,11 @@ class Profiler(CollectiveWrappers):
         step, a re-entered module, a section closed out of order, NVTX on) takes the
         general path. Other hooks on the module run outside the section.
         """
-        span = _Span(self, -1, bytes)  # reused: one module's forwards do not overlap
+        # Reused: one module's forwards do not overlap. A section seen before starts on
+        # the short path (the benchmarks hook a module again for every profiled step).
+        span = _Span(self, self._ids.get((name, category), -1), bytes)
         clock = time.perf_counter_ns
-        mark = self._timer.mark
+        mark, mark_end = self._timer.mark, self._timer.mark_end
         stack = self._stack  # cleared in place, never replaced
         calls, sizes = self._calls, self._bytes
         previous = module.__dict__.get("forward")  # another wrapper, or None
@@ -404,7 +406,7 @@ class Profiler(CollectiveWrappers):
                 if token is None or not stack or stack[-1] is not span or self.nvtx:
                     self._close_slow(span)
                 else:
-                    end = mark()
+                    end = mark_end(token)
                     stack.pop()
                     sid = span._sid
                     self._spans.append((sid, token, end))
@@ -450,7 +452,7 @@ class Profiler(CollectiveWrappers):
         t_in = time.perf_counter_ns()
         if span._token is None:
             return  # entered outside a step: already counted at entry
-        end = self._timer.mark()
+        end = self._timer.mark_end(span._token)
         stack = self._stack
         if not stack or stack[-1] is not span:
             name = self._meta[span._sid].name

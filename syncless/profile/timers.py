@@ -24,6 +24,8 @@ class Timer(Protocol):
 
     def mark(self) -> Any: ...
 
+    def mark_end(self, start: Any) -> Any: ...
+
     def elapsed_ns(self, start: Any, end: Any) -> float: ...
 
     def wait(self, token: Any) -> None: ...
@@ -39,6 +41,10 @@ class HostTimer:
     @hot_path
     def mark(self) -> int:
         return time.perf_counter_ns()
+
+    @hot_path
+    def mark_end(self, start: int) -> int:
+        return self.mark()
 
     def elapsed_ns(self, start: int, end: int) -> float:
         return float(end - start)
@@ -68,57 +74,83 @@ class EventTimer:
 
     Step N records into one pool while step N-1's events, in the other pool, are read
     at the end of step N; after warm-up no event is allocated per span. Nothing on the
-    hot path waits for the device. A token is a pool entry: ``(event, CUevent)``.
+    hot path waits for the device. A token is a pool entry: ``[event, CUevent,
+    CUstream it was recorded on]``.
 
     Records and elapsed times go through the CUDA driver with the GIL held
     (:mod:`syncless.cuda_driver`): ``Event.record()`` releases the GIL. On the H200's
     host-bound demo step the profiler's own host time for 76 sections went from 5.96
-    to 3.88 ms per step with the driver calls (bench/RESULTS.md, 4e46bc2, a9d2e96). A
-    mark binds everything it calls once (raw handles, the driver function, torch's C
-    getters for the current device and stream): each Python-level lookup is host time
-    on every span. Where the driver is unavailable or refuses a call, torch's methods
-    are used.
+    to 3.88 ms per step with the driver calls (bench/RESULTS.md, 4e46bc2, a9d2e96).
+    Inside that step a record costs several times what it costs in a loop: the
+    driver's code is cold after the milliseconds of Python between two sections
+    (``profile_mark_cost``). So a mark does as little else as it can: everything it
+    calls is bound once, and a span's end (``mark_end``) is recorded on the stream
+    its start was, without asking torch for the current stream again. Where the
+    driver is unavailable or refuses a call, torch's methods are used (on the current
+    stream).
     """
 
     lagged = True
 
     def __init__(self) -> None:
-        self._pools: tuple[list[tuple[torch.cuda.Event, int]], ...] = ([], [])
+        self._pools: tuple[list[list[Any]], ...] = ([], [])
         self._parity = 0
         self._cursor = 0
         drv = driver()
         self._driver = drv
         self._record = drv.record_fn() if drv is not None else None
-        self._stream = current_raw_stream_fn()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        get_device = getattr(torch._C, "_cuda_getDevice", None)
+        if raw is None or get_device is None:
+            stream = current_raw_stream_fn()
+            raw, get_device = (lambda _device: stream()), (lambda: None)
+        self._raw_stream, self._get_device = raw, get_device
         self._out = ctypes.c_float()
         self._out_ref = ctypes.byref(self._out)
 
+    def _grow(self) -> list[Any]:
+        """Warm-up only: the pool keeps its size afterwards."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # torch creates the CUevent at its first record
+        token = [event, event.cuda_event, self._raw_stream(self._get_device())]
+        self._pools[self._parity].append(token)
+        return token
+
     @hot_path
-    def mark(self) -> tuple[torch.cuda.Event, int]:
-        pool = self._pools[self._parity]
-        cursor = self._cursor
+    def mark(self) -> list[Any]:
+        pool, cursor = self._pools[self._parity], self._cursor
         self._cursor = cursor + 1
-        if cursor >= len(pool):  # warm-up only: the pool keeps its size afterwards
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()  # torch creates the CUevent at its first record
-            token = (event, event.cuda_event)
-            pool.append(token)
-            return token
+        if cursor >= len(pool):
+            return self._grow()
         token = pool[cursor]
+        stream = self._raw_stream(self._get_device())
+        token[2] = stream
         record = self._record
-        if record is None or record(token[1], self._stream()) != 0:
+        if record is None or record(token[1], stream) != 0:
             token[0].record()
         return token
 
-    def elapsed_ns(
-        self, start: tuple[torch.cuda.Event, int], end: tuple[torch.cuda.Event, int]
-    ) -> float:
+    @hot_path
+    def mark_end(self, start: list[Any]) -> list[Any]:
+        """The end of the span ``start`` opened, recorded on ``start``'s stream."""
+        pool, cursor = self._pools[self._parity], self._cursor
+        self._cursor = cursor + 1
+        if cursor >= len(pool):
+            return self._grow()
+        token = pool[cursor]
+        stream = token[2] = start[2]
+        record = self._record
+        if record is None or record(token[1], stream) != 0:
+            token[0].record()
+        return token
+
+    def elapsed_ns(self, start: list[Any], end: list[Any]) -> float:
         drv = self._driver
         if drv is not None and drv.elapsed_into(self._out_ref, start[1], end[1]):
             return self._out.value * 1e6
         return start[0].elapsed_time(end[0]) * 1e6
 
-    def wait(self, token: tuple[torch.cuda.Event, int]) -> None:
+    def wait(self, token: list[Any]) -> None:
         # Cold path (end_step of the *next* step, or report): usually long complete.
         token[0].synchronize()
 

@@ -56,3 +56,24 @@ def test_calibration_measures_event_and_synchronize():
     cal = prof.calibrate()
     assert cal.event_record_us is not None and cal.event_record_us > 0
     assert cal.synchronize_us is not None and cal.synchronize_us > 0
+
+
+def test_a_section_ends_on_the_stream_it_started_on():
+    """Closed while a side stream is current, a section still times its own stream's work
+    (recorded on the idle side stream, its end would mark ~nothing)."""
+    prof = Profiler(mode="events", report_every=100, calibrate=False)
+    side = torch.cuda.Stream()
+    before, after = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    for step in range(3):
+        with prof.step(step):
+            prof.begin_section("slow")
+            before.record()
+            torch.cuda._sleep(20_000_000)  # ~10 ms on the default stream
+            after.record()
+            with torch.cuda.stream(side):
+                prof.end_section("slow")
+    torch.cuda.synchronize()
+    sleep_ms = before.elapsed_time(after)  # the last step's, from torch's own events
+    rep = prof.report(force=True)
+    assert rep.row("slow").calls_per_step == 1.0
+    assert rep.row("slow").ms_per_step >= 0.9 * sleep_ms
