@@ -1,0 +1,156 @@
+"""What one span edge of the events profiler costs the host inside the demo's step.
+
+In a loop, recording a timing event costs 1.5-1.8 us (bench/driver_calls.py). Inside
+the host-bound demo step, between milliseconds of Python and torch launches, the same
+call costs more: its code and data are cold. This probe runs the `profile_overhead`
+layout (76 sections on the large preset) with a timer that, at each span edge, times:
+
+- ``stream``: torch's current-stream lookup (``_cuda_getCurrentRawStream``);
+- ``record``: the edge's ``cuEventRecord``;
+- ``record_again``: a second record right after it (the same call, warm);
+- ``noop_driver``: a driver call that does nothing (``cuCtxGetCurrent``);
+
+and in a second pass, at the same edges, a 1-element torch ``add_`` (``launch``: one
+kernel launch through torch) and the same again right after (``launch_again``).
+
+    python bench/profile_mark_cost.py --preset large --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+from profile_overhead import hook_sections  # bench/ is on sys.path as a script
+from results import append_result
+from train_step import TrainStep, blocking_sync
+
+from syncless.cuda_driver import driver
+from syncless.demo.config import preset
+from syncless.profile import Profiler
+from syncless.profile.timers import EventTimer, HostTimer
+
+clock = time.perf_counter_ns
+
+
+class SplitEventTimer(EventTimer):
+    """The events timer, its every edge split into the parts above."""
+
+    def __init__(self, parts: dict[str, list[int]]) -> None:
+        super().__init__()
+        self.parts = parts
+        lib = ctypes.PyDLL("libcuda.so.1")
+        self._noop, self._ctx = lib.cuCtxGetCurrent, ctypes.c_void_p()
+        spare = torch.cuda.Event(enable_timing=True)
+        spare.record()
+        self._spare = (spare, spare.cuda_event)
+
+    def _edge(self) -> list[Any]:
+        pool, cursor = self._pools[self._parity], self._cursor
+        self._cursor = cursor + 1
+        if cursor >= len(pool):
+            return self._grow()
+        token = pool[cursor]
+        t0 = clock()
+        stream = self._raw_stream(self._get_device())
+        t1 = clock()
+        self._record(token[1], stream)
+        t2 = clock()
+        self._record(self._spare[1], stream)
+        t3 = clock()
+        self._noop(ctypes.byref(self._ctx))
+        t4 = clock()
+        token[2] = stream
+        for name, ns in zip(
+            ("stream", "record", "record_again", "noop_driver"),
+            (t1 - t0, t2 - t1, t3 - t2, t4 - t3),
+            strict=True,
+        ):
+            self.parts[name].append(ns)
+        return token
+
+    def mark(self) -> list[Any]:
+        return self._edge()
+
+    def mark_end(self, start: list[Any]) -> list[Any]:
+        return self._edge()
+
+
+class LaunchTimer(HostTimer):
+    """Host clock; at each edge, one tiny torch launch and another right after."""
+
+    def __init__(self, parts: dict[str, list[int]]) -> None:
+        self.parts = parts
+        self.tiny = torch.zeros(1, device="cuda")
+
+    def mark(self) -> int:
+        t0 = clock()
+        self.tiny.add_(0)
+        t1 = clock()
+        self.tiny.add_(0)
+        t2 = clock()
+        self.parts["launch"].append(t1 - t0)
+        self.parts["launch_again"].append(t2 - t1)
+        return t2
+
+
+def run(train: TrainStep, timer: Any, steps: int, warmup: int) -> None:
+    prof = Profiler(mode="events", report_every=10**9, calibrate=False)
+    prof._timer = timer
+    for i in range(warmup + steps):
+        if i == warmup:
+            for samples in timer.parts.values():
+                samples.clear()
+        train.profiler = prof
+        handles = hook_sections(train, prof)
+        prof.begin_step(i)
+        train(i)
+        prof.end_step()
+        for h in handles:
+            h.remove()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="large")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or driver() is None:
+        raise SystemExit("profile_mark_cost needs CUDA and libcuda: it times driver calls")
+    blocking_sync()
+    train = TrainStep(preset(args.preset), torch.device("cuda"))
+    for step in range(3):
+        train(step)
+    gc.collect()
+    gc.freeze()
+    names = ("stream", "record", "record_again", "noop_driver", "launch", "launch_again")
+    parts: dict[str, list[int]] = {name: [] for name in names}
+    run(train, SplitEventTimer(parts), args.steps, args.warmup)
+    run(train, LaunchTimer(parts), args.steps, args.warmup)
+    edges = len(parts["record"]) / args.steps
+    cells = []
+    for name in names:
+        us = sorted(ns / 1e3 for ns in parts[name])
+        p10, p50, p90 = (us[int(q * (len(us) - 1))] for q in (0.1, 0.5, 0.9))
+        cells.append(
+            f"{name} {p50:.2f} (p10 {p10:.2f}, p90 {p90:.2f}, mean {statistics.fmean(us):.2f})"
+        )
+        print(cells[-1])
+    text = (
+        f"host us per span edge inside the demo {args.preset} train step ({edges:.0f} edges/step, "
+        f"{args.steps} steps), median: " + "; ".join(cells)
+    )
+    print(text)
+    if not args.no_record:
+        append_result("profile_mark_cost", text)
+
+
+if __name__ == "__main__":
+    main()
