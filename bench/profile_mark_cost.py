@@ -41,6 +41,8 @@ clock = time.perf_counter_ns
 class SplitEventTimer(EventTimer):
     """The events timer, its every edge split into the parts above."""
 
+    names = ("stream", "record", "record_again", "noop_driver")
+
     def __init__(self, parts: dict[str, list[int]]) -> None:
         super().__init__()
         self.parts = parts
@@ -67,7 +69,7 @@ class SplitEventTimer(EventTimer):
         t4 = clock()
         token[2] = stream
         for name, ns in zip(
-            ("stream", "record", "record_again", "noop_driver"),
+            self.names,
             (t1 - t0, t2 - t1, t3 - t2, t4 - t3),
             strict=True,
         ):
@@ -83,6 +85,8 @@ class SplitEventTimer(EventTimer):
 
 class LaunchTimer(HostTimer):
     """Host clock; at each edge, one tiny torch launch and another right after."""
+
+    names = ("launch", "launch_again")
 
     def __init__(self, parts: dict[str, list[int]]) -> None:
         self.parts = parts
@@ -104,8 +108,8 @@ def run(train: TrainStep, timer: Any, steps: int, warmup: int) -> None:
     prof._timer = timer
     for i in range(warmup + steps):
         if i == warmup:
-            for samples in timer.parts.values():
-                samples.clear()
+            for name in timer.names:  # this pass's parts only
+                timer.parts[name].clear()
         train.profiler = prof
         handles = hook_sections(train, prof)
         prof.begin_step(i)
@@ -130,7 +134,7 @@ def main() -> None:
         train(step)
     gc.collect()
     gc.freeze()
-    names = ("stream", "record", "record_again", "noop_driver", "launch", "launch_again")
+    names = SplitEventTimer.names + LaunchTimer.names
     parts: dict[str, list[int]] = {name: [] for name in names}
     run(train, SplitEventTimer(parts), args.steps, args.warmup)
     run(train, LaunchTimer(parts), args.steps, args.warmup)

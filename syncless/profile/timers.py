@@ -108,11 +108,16 @@ class EventTimer:
         self._out = ctypes.c_float()
         self._out_ref = ctypes.byref(self._out)
 
-    def _grow(self) -> list[Any]:
-        """Warm-up only: the pool keeps its size afterwards."""
+    def _grow(self, stream: int | None = None) -> list[Any]:
+        """Warm-up only: the pool keeps its size afterwards. Records on ``stream``
+        (default: the current one)."""
         event = torch.cuda.Event(enable_timing=True)
         event.record()  # torch creates the CUevent at its first record
-        token = [event, event.cuda_event, self._raw_stream(self._get_device())]
+        current = self._raw_stream(self._get_device())
+        other = stream is not None and stream != current
+        if other and (self._record is None or self._record(event.cuda_event, stream) != 0):
+            event.record(torch.cuda.ExternalStream(stream))
+        token = [event, event.cuda_event, current if stream is None else stream]
         self._pools[self._parity].append(token)
         return token
 
@@ -136,7 +141,7 @@ class EventTimer:
         pool, cursor = self._pools[self._parity], self._cursor
         self._cursor = cursor + 1
         if cursor >= len(pool):
-            return self._grow()
+            return self._grow(start[2])
         token = pool[cursor]
         stream = token[2] = start[2]
         record = self._record
