@@ -50,8 +50,37 @@ from train_step import (
 from syncless.demo.config import preset
 from syncless.demo.model import Attention, Experts, Router
 from syncless.profile import OFF, Profiler
+from syncless.profile.timers import EventTimer
 
-MODES = ["events", "sync", "megatron"]
+MODES = ["events", "sync", "megatron", "events-untimed"]
+
+
+class UntimedEventTimer(EventTimer):
+    """A diagnostic: the events timer with timing disabled on its events.
+
+    The host path is the same (same calls, one record per edge); on the device a record
+    without timing is cheaper (bench/event_device_cost.py). ``--modes
+    events,events-untimed`` tells what the timestamps cost the step on the device.
+    Its section times are meaningless (reported as 0).
+    """
+
+    def _grow(self, stream: int | None = None) -> list:
+        event = torch.cuda.Event(enable_timing=False)
+        event.record()
+        current = self._raw_stream(self._get_device())
+        token = [event, event.cuda_event, current if stream is None else stream]
+        self._pools[self._parity].append(token)
+        return token
+
+    def elapsed_ns(self, start: list, end: list) -> float:
+        return 0.0
+
+
+def untimed_profiler() -> Profiler:
+    prof = Profiler(mode="events", report_every=10**9)
+    if isinstance(prof._timer, EventTimer):
+        prof._timer = UntimedEventTimer()
+    return prof
 
 
 class MegatronTimers:
@@ -143,6 +172,7 @@ def main() -> None:
         "events": Profiler(mode="events", report_every=10**9),
         "sync": Profiler(mode="sync", report_every=10**9),
         "megatron": MegatronTimers(),
+        "events-untimed": untimed_profiler(),
     }
     times: dict[str, list[float]] = {m: [] for m in modes}
     cpus: dict[str, list[float]] = {m: [] for m in modes}  # training thread CPU time
@@ -176,7 +206,7 @@ def main() -> None:
     # that is its cost, read without the step-time noise.
     self_ms = {
         mode: profilers[mode].report(force=True).values["profile/self/host_ms"]
-        for mode in ("events", "sync")
+        for mode in ("events", "sync", "events-untimed")
         if mode in modes
     }
     for mode, ms in self_ms.items():
