@@ -3,9 +3,11 @@
 In a loop, recording a timing event costs 1.5-1.8 us (bench/driver_calls.py). Inside
 the host-bound demo step, between milliseconds of Python and torch launches, the same
 call costs more: its code and data are cold. This probe runs the `profile_overhead`
-layout (76 sections on the large preset) with a timer that, at each span edge, times:
+layout (76 sections on the large preset) with the events timer, and times at each
+span edge:
 
-- ``stream``: torch's current-stream lookup (``_cuda_getCurrentRawStream``);
+- ``stream``: torch's current-stream lookup (``_cuda_getCurrentRawStream``), at span
+  starts only (a span's end is recorded on its start's stream);
 - ``record``: the edge's ``cuEventRecord``;
 - ``record_again``: a second record right after it (the same call, warm);
 - ``noop_driver``: a driver call that does nothing (``cuCtxGetCurrent``);
@@ -21,10 +23,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import statistics
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from profile_overhead import hook_sections  # bench/ is on sys.path as a script
 from results import append_result
@@ -39,48 +41,41 @@ clock = time.perf_counter_ns
 
 
 class SplitEventTimer(EventTimer):
-    """The events timer, its every edge split into the parts above."""
+    """The events timer itself, its stream lookup and its record timed where they run
+    (the pool, the span logic and the hot path stay the library's)."""
 
     names = ("stream", "record", "record_again", "noop_driver")
 
     def __init__(self, parts: dict[str, list[int]]) -> None:
         super().__init__()
-        self.parts = parts
         lib = ctypes.PyDLL("libcuda.so.1")
-        self._noop, self._ctx = lib.cuCtxGetCurrent, ctypes.c_void_p()
-        spare = torch.cuda.Event(enable_timing=True)
-        spare.record()
-        self._spare = (spare, spare.cuda_event)
+        noop, self._ctx = lib.cuCtxGetCurrent, ctypes.c_void_p()
+        ctx_ref = ctypes.byref(self._ctx)
+        self._spare = torch.cuda.Event(enable_timing=True)
+        self._spare.record()  # creates its CUevent
+        spare = self._spare.cuda_event
+        stream_of, current_device, record = self._raw_stream, self._get_device, self._record
 
-    def _edge(self) -> list[Any]:
-        pool, cursor = self._pools[self._parity], self._cursor
-        self._cursor = cursor + 1
-        if cursor >= len(pool):
-            return self._grow()
-        token = pool[cursor]
-        t0 = clock()
-        stream = self._raw_stream(self._get_device())
-        t1 = clock()
-        self._record(token[1], stream)
-        t2 = clock()
-        self._record(self._spare[1], stream)
-        t3 = clock()
-        self._noop(ctypes.byref(self._ctx))
-        t4 = clock()
-        token[2] = stream
-        for name, ns in zip(
-            self.names,
-            (t1 - t0, t2 - t1, t3 - t2, t4 - t3),
-            strict=True,
-        ):
-            self.parts[name].append(ns)
-        return token
+        def timed_stream(_device: Any) -> int:  # the timer calls stream_of(current_device())
+            t0 = clock()
+            stream = stream_of(current_device())
+            parts["stream"].append(clock() - t0)
+            return stream
 
-    def mark(self) -> list[Any]:
-        return self._edge()
+        def timed_record(event: int, stream: int) -> int:
+            t0 = clock()
+            result = record(event, stream)
+            t1 = clock()
+            record(spare, stream)
+            t2 = clock()
+            noop(ctx_ref)
+            t3 = clock()
+            for name, ns in zip(self.names[1:], (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                parts[name].append(ns)
+            return result
 
-    def mark_end(self, start: list[Any]) -> list[Any]:
-        return self._edge()
+        self._raw_stream, self._get_device, self._record = timed_stream, lambda: None, timed_record
+        self.parts = parts
 
 
 class LaunchTimer(HostTimer):
@@ -101,6 +96,9 @@ class LaunchTimer(HostTimer):
         self.parts["launch"].append(t1 - t0)
         self.parts["launch_again"].append(t2 - t1)
         return t2
+
+    def mark_end(self, start: int) -> int:
+        return self.mark()
 
 
 def run(train: TrainStep, timer: Any, steps: int, warmup: int) -> None:
@@ -141,11 +139,9 @@ def main() -> None:
     edges = len(parts["record"]) / args.steps
     cells = []
     for name in names:
-        us = sorted(ns / 1e3 for ns in parts[name])
-        p10, p50, p90 = (us[int(q * (len(us) - 1))] for q in (0.1, 0.5, 0.9))
-        cells.append(
-            f"{name} {p50:.2f} (p10 {p10:.2f}, p90 {p90:.2f}, mean {statistics.fmean(us):.2f})"
-        )
+        us = np.asarray(parts[name]) / 1e3
+        p10, p50, p90 = np.percentile(us, [10, 50, 90])
+        cells.append(f"{name} {p50:.2f} (p10 {p10:.2f}, p90 {p90:.2f}, mean {us.mean():.2f})")
         print(cells[-1])
     text = (
         f"host us per span edge inside the demo {args.preset} train step ({edges:.0f} edges/step, "

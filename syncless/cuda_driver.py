@@ -121,17 +121,26 @@ def driver() -> Driver | None:
         return None
 
 
+def raw_stream_getters() -> tuple[Callable[[int], int], Callable[[], int]]:
+    """``(stream_of, current_device)``: torch's C getters for a device's current
+    ``CUstream`` (an int) and for the current device, so that a hot path calls
+    ``stream_of(current_device())`` without a Python frame of its own; Python
+    equivalents where a torch build lacks them (they are not a public API)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    get_device = getattr(torch._C, "_cuda_getDevice", None)
+    if raw is None or get_device is None:
+        return current_raw_stream, torch.cuda.current_device
+    return raw, get_device
+
+
 def current_raw_stream_fn(device: int | None = None) -> Callable[[], int]:
     """A no-argument function returning the current ``CUstream`` of ``device`` (default:
     the current device), bound to torch's C getters (``current_raw_stream()`` goes
     through ``torch.cuda.current_device()``'s Python)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    get_device = getattr(torch._C, "_cuda_getDevice", None)
-    if raw is None or get_device is None:
-        return lambda: current_raw_stream(device)
+    stream_of, current_device = raw_stream_getters()
     if device is not None:
-        return lambda: raw(device)
-    return lambda: raw(get_device())
+        return lambda: stream_of(device)
+    return lambda: stream_of(current_device())
 
 
 #: ``torch.cuda.is_current_stream_capturing`` without its Python frame, for hot paths

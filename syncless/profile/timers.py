@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from syncless.cuda_driver import current_raw_stream_fn, driver
+from syncless.cuda_driver import driver, raw_stream_getters
 from syncless.hot_path import hot_path
 
 
@@ -95,6 +95,7 @@ class EventTimer:
     """
 
     lagged = True
+    timing = True  # events with timing (a diagnostic subclass turns it off)
 
     def __init__(self) -> None:
         self._pools: tuple[list[list[Any]], ...] = ([], [])
@@ -103,19 +104,14 @@ class EventTimer:
         drv = driver()
         self._driver = drv
         self._record = drv.record_fn() if drv is not None else None
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        get_device = getattr(torch._C, "_cuda_getDevice", None)
-        if raw is None or get_device is None:
-            stream = current_raw_stream_fn()
-            raw, get_device = (lambda _device: stream()), (lambda: None)
-        self._raw_stream, self._get_device = raw, get_device
+        self._raw_stream, self._get_device = raw_stream_getters()
         self._out = ctypes.c_float()
         self._out_ref = ctypes.byref(self._out)
 
     def _grow(self, stream: int | None = None) -> list[Any]:
         """Warm-up only: the pool keeps its size afterwards. Records on ``stream``
         (default: the current one)."""
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=self.timing)
         event.record()  # torch creates the CUevent at its first record
         current = self._raw_stream(self._get_device())
         other = stream is not None and stream != current

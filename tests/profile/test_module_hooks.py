@@ -70,7 +70,10 @@ def _profiler(report_every: int = 10) -> Profiler:
 
 
 def _hooked(prof) -> tuple[_Model, list]:
-    model = _Model()
+    return _hooked_model(prof, _Model())
+
+
+def _hooked_model(prof, model: _Model) -> tuple[_Model, list]:
     handles = prof.hook_module(model.a, "a")
     handles += prof.hook_module(model.b, "b", category="bandwidth", bytes=1000)
     handles += prof.hook_module(model.b.inner, "c")
@@ -95,6 +98,26 @@ def test_module_sections_time_calls_and_nesting_exactly():
     assert rep.row("b").category == "bandwidth"
     assert rep.values["profile/b/calls_count"] == 1.0  # per step
     assert rep.row("b").gb_per_s == pytest.approx(1000 / (3.0 * 1e6))
+    assert rep.values["profile/self/misuse_count"] == 0.0
+
+
+def test_hooking_again_every_step_keeps_the_rows_exact():
+    """As the benchmarks do: hooks put on before each step and removed after it."""
+    prof = _profiler(report_every=3)
+    model = _Model()
+    x = torch.ones(4)
+    for s in range(3):
+        _, handles = _hooked_model(prof, model)
+        with no_sync(cpu_as_device=True), prof.step(s):
+            model(x)
+        for h in handles:
+            h.remove()
+    rep = prof.report()
+    assert rep.row("a").ms_per_step == pytest.approx(2.0)
+    assert rep.row("a").calls_per_step == 2.0
+    assert rep.row("b").ms_per_step == pytest.approx(3.0)
+    assert rep.row("c").ms_per_step == pytest.approx(1.0)
+    assert rep.row("c").depth == 1 and rep.row("b").depth == 0
     assert rep.values["profile/self/misuse_count"] == 0.0
 
 

@@ -64,14 +64,15 @@ def test_a_section_ends_on_the_stream_it_started_on():
     prof = Profiler(mode="events", report_every=100, calibrate=False)
     side = torch.cuda.Stream()
     before, after = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-    for step in range(3):
-        with prof.step(step):
-            prof.begin_section("slow")
-            before.record()
-            torch.cuda._sleep(20_000_000)  # ~10 ms on the default stream
-            after.record()
-            with torch.cuda.stream(side):
-                prof.end_section("slow")
+    with no_sync():
+        for step in range(3):  # the first two fill the pools: their ends take _grow
+            with prof.step(step):
+                prof.begin_section("slow")
+                before.record()
+                torch.cuda._sleep(20_000_000)  # ~10 ms on the default stream
+                after.record()
+                with torch.cuda.stream(side):
+                    prof.end_section("slow")
     torch.cuda.synchronize()
     sleep_ms = before.elapsed_time(after)  # the last step's, from torch's own events
     rep = prof.report(force=True)
