@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import time
 
@@ -149,7 +150,12 @@ def main() -> None:
     parser.add_argument("--modes", default="events,sync,events,megatron",
                         help="the rotation of profiled modes, one per period")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=6)
+    parser.add_argument("--max-seconds", type=float, default=float("inf"),
+                        help="stop at the first period boundary after this long (a device "
+                        "call has a time limit; a run cut by it records nothing)")  # fmt: skip
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--dump", help="also write the per-period estimates here (JSON), "
+                        "for bench/pool_overhead.py")  # fmt: skip
     add_blocking_sync_flag(parser)
     args = parser.parse_args()
     blocking = args.blocking_sync and blocking_sync()
@@ -174,8 +180,11 @@ def main() -> None:
         train(step)
     gc.collect()
     gc.freeze()
+    deadline = time.perf_counter() + args.max_seconds
     for i in range(args.warmup + args.periods * PERIOD):
         period, pos = divmod(i - args.warmup, PERIOD)
+        if pos == 0 and period > 0 and time.perf_counter() > deadline:
+            break
         # The warm-up profiles too (the pools and the section table fill there).
         mode = rotation[period % len(rotation)]
         prof = profilers[mode] if pos == ON else OFF
@@ -195,7 +204,7 @@ def main() -> None:
     all_off = [t for m in modes for j, t in enumerate(times[m]) if j % PERIOD in (0, 1)]
     off_ms = statistics.median(all_off) * 1e3
     print(f"\ndemo {args.preset} train step on {device.type}: off {off_ms:.1f} ms/step, "
-          f"{args.periods} periods")  # fmt: skip
+          f"{sum(map(len, times.values())) // PERIOD} periods")  # fmt: skip
     # The profiler bills its own host time (profile/self/host_ms): on a host-bound step
     # that is its cost, read without the step-time noise.
     self_ms = {
@@ -208,6 +217,7 @@ def main() -> None:
             f"{mode} profiler's own host time: {ms:.3f} ms/step ({ms / off_ms * 100:.2f}% of off)"
         )
     parts = []
+    dump: dict[str, dict] = {}
     for mode in modes:
         est = paired_estimates(times[mode])
         med, mean = statistics.median(est), statistics.fmean(est)
@@ -222,6 +232,11 @@ def main() -> None:
         )
         print(text)
         parts.append(text)
+        dump[mode] = {"wall": est, "cpu": cpu_est, "self_ms": self_ms.get(mode)}
+    if args.dump:
+        with open(args.dump, "w") as f:
+            json.dump({"preset": args.preset, "sync": sync_mode, "off_ms": off_ms,
+                       "rotation": args.modes, "modes": dump}, f)  # fmt: skip
     own = ", ".join(f"{m} {ms:.3f} ms/step ({ms / off_ms * 100:.2f}%)" for m, ms in self_ms.items())
     if not args.no_record:
         append_result(
