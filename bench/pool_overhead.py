@@ -17,9 +17,8 @@ import json
 import statistics
 from pathlib import Path
 
-import numpy as np
 from results import append_result  # bench/ is on sys.path as a script
-from train_step import bootstrap_ci
+from train_step import overhead_summary
 
 
 def main() -> None:
@@ -38,16 +37,9 @@ def main() -> None:
         cells = [run["modes"][mode] for run in runs if mode in run["modes"]]
         wall = [e for cell in cells for e in cell["wall"]]
         cpu = [e for cell in cells for e in cell["cpu"]]
-        (m_lo, m_hi), (a_lo, a_hi) = bootstrap_ci(wall), bootstrap_ci(wall, np.mean)
-        c_lo, c_hi = bootstrap_ci(cpu)
         own = [cell["self_ms"] for cell in cells if cell["self_ms"] is not None]
         own_text = f", profiler's own host time {statistics.fmean(own):.3f} ms/step" if own else ""
-        parts.append(
-            f"{mode} {statistics.median(wall):+.2f}% (95% CI {m_lo:+.2f}..{m_hi:+.2f}, mean "
-            f"{statistics.fmean(wall):+.2f}% CI {a_lo:+.2f}..{a_hi:+.2f}, {len(wall)} periods; "
-            f"training thread's CPU time {statistics.median(cpu):+.2f}% CI "
-            f"{c_lo:+.2f}..{c_hi:+.2f}{own_text})"
-        )
+        parts.append(f"{mode} " + overhead_summary(wall, cpu, own_text))
         print(parts[-1])
     off = ", ".join(f"{run['off_ms']:.1f}" for run in runs)
     text = (

@@ -23,6 +23,8 @@ profiled step (it bills itself: on the host-bound demo that is most of its cost,
 of step-time noise; the hooks' dispatch by torch is not in it).
 
     python bench/profile_overhead.py --preset large --periods 200
+    python bench/profile_overhead.py --preset large --periods 1000 --max-seconds 420 \
+        --blocking-sync --dump run0.json    # several runs, then bench/pool_overhead.py
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import json
 import statistics
 import time
 
-import numpy as np
 import torch
 from results import append_result  # bench/ is on sys.path as a script
 from torch import nn
@@ -43,8 +44,8 @@ from train_step import (
     TrainStep,
     add_blocking_sync_flag,
     blocking_sync,
-    bootstrap_ci,
     low_percentile_ratio,
+    overhead_summary,
     paired_estimates,
 )
 
@@ -220,16 +221,9 @@ def main() -> None:
     dump: dict[str, dict] = {}
     for mode in modes:
         est = paired_estimates(times[mode])
-        med, mean = statistics.median(est), statistics.fmean(est)
-        (m_lo, m_hi), (a_lo, a_hi) = bootstrap_ci(est), bootstrap_ci(est, np.mean)
-        p10 = low_percentile_ratio(times[mode])
         cpu_est = paired_estimates(times[mode], cpus[mode])
-        c_lo, c_hi = bootstrap_ci(cpu_est)
-        text = (
-            f"{mode} {med:+.2f}% (95% CI {m_lo:+.2f}..{m_hi:+.2f}, mean {mean:+.2f}% CI "
-            f"{a_lo:+.2f}..{a_hi:+.2f}, {len(est)} periods, p10 ratio {p10:+.2f}%; training "
-            f"thread's CPU time {statistics.median(cpu_est):+.2f}% CI {c_lo:+.2f}..{c_hi:+.2f})"
-        )
+        p10 = low_percentile_ratio(times[mode])
+        text = f"{mode} " + overhead_summary(est, cpu_est, f", p10 ratio {p10:+.2f}%")
         print(text)
         parts.append(text)
         dump[mode] = {"wall": est, "cpu": cpu_est, "self_ms": self_ms.get(mode)}

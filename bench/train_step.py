@@ -12,6 +12,7 @@ H200's host, dc2abca), which is why the benchmarks also print low-percentile rat
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -126,6 +127,20 @@ def bootstrap_ci(
     stats = stat(values[rng.integers(0, len(values), (n, len(values)))], axis=1)
     tail = (1 - level) / 2 * 100
     return float(np.percentile(stats, tail)), float(np.percentile(stats, 100 - tail))
+
+
+def overhead_summary(wall: list[float], cpu: list[float], extra: str = "") -> str:
+    """Per-period estimates (%) of wall and CPU time as one RESULTS.md phrase: median and
+    mean with 95% bootstrap intervals, the count, ``extra``, then the CPU time's median
+    and interval."""
+    (m_lo, m_hi), (a_lo, a_hi) = bootstrap_ci(wall), bootstrap_ci(wall, np.mean)
+    c_lo, c_hi = bootstrap_ci(cpu)
+    return (
+        f"{statistics.median(wall):+.2f}% (95% CI {m_lo:+.2f}..{m_hi:+.2f}, mean "
+        f"{statistics.fmean(wall):+.2f}% CI {a_lo:+.2f}..{a_hi:+.2f}, {len(wall)} periods"
+        f"{extra}; training thread's CPU time {statistics.median(cpu):+.2f}% CI "
+        f"{c_lo:+.2f}..{c_hi:+.2f})"
+    )
 
 
 def low_percentile_ratio(times: list[float], q: float = 10.0) -> float:

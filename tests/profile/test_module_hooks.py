@@ -80,6 +80,16 @@ def _hooked_model(prof, model: _Model) -> tuple[_Model, list]:
     return model, handles
 
 
+def _assert_hand_computed_rows(rep) -> None:
+    """Per step: a opens and closes twice back to back (1 tick each); b opens, c opens,
+    c closes, b closes (b spans 3 ticks, c 1)."""
+    assert rep.row("a").ms_per_step == pytest.approx(2.0)
+    assert rep.row("a").calls_per_step == 2.0
+    assert rep.row("b").ms_per_step == pytest.approx(3.0)
+    assert rep.row("c").ms_per_step == pytest.approx(1.0)
+    assert rep.row("c").depth == 1 and rep.row("b").depth == 0
+
+
 def test_module_sections_time_calls_and_nesting_exactly():
     prof = _profiler(report_every=3)
     model, _ = _hooked(prof)
@@ -88,13 +98,7 @@ def test_module_sections_time_calls_and_nesting_exactly():
         with no_sync(cpu_as_device=True), prof.step(s):
             model(x)
     rep = prof.report()
-    # Per step: a opens and closes twice back to back (1 tick each); b opens, c opens,
-    # c closes, b closes (b spans 3 ticks, c 1).
-    assert rep.row("a").ms_per_step == pytest.approx(2.0)
-    assert rep.row("a").calls_per_step == 2.0
-    assert rep.row("b").ms_per_step == pytest.approx(3.0)
-    assert rep.row("c").ms_per_step == pytest.approx(1.0)
-    assert rep.row("c").depth == 1 and rep.row("b").depth == 0
+    _assert_hand_computed_rows(rep)
     assert rep.row("b").category == "bandwidth"
     assert rep.values["profile/b/calls_count"] == 1.0  # per step
     assert rep.row("b").gb_per_s == pytest.approx(1000 / (3.0 * 1e6))
@@ -113,11 +117,7 @@ def test_hooking_again_every_step_keeps_the_rows_exact():
         for h in handles:
             h.remove()
     rep = prof.report()
-    assert rep.row("a").ms_per_step == pytest.approx(2.0)
-    assert rep.row("a").calls_per_step == 2.0
-    assert rep.row("b").ms_per_step == pytest.approx(3.0)
-    assert rep.row("c").ms_per_step == pytest.approx(1.0)
-    assert rep.row("c").depth == 1 and rep.row("b").depth == 0
+    _assert_hand_computed_rows(rep)
     assert rep.values["profile/self/misuse_count"] == 0.0
 
 
