@@ -180,3 +180,11 @@ def qk_stats_partials_grouped(*args: Any, **kwargs: Any) -> torch.Tensor:
     from syncless.kernels.attention import qk_stats_partials_grouped
 
     return qk_stats_partials_grouped(*args, **kwargs)
+
+
+def rope_rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    from syncless.kernels.rope import rotate
+
+    return rotate(x, cos, sin, out_dtype)

@@ -6,7 +6,22 @@ of ``BLOCK_N`` like a flash-attention forward without the ``P @ V``. It works in
 ``S = Σ 2^(l - m)`` and ``T = Σ 2^(l - m) (l - m)``, rescaled when ``m`` grows
 (``T' = α (T + (m - m') S)``, ``α = 2^(m - m')``). ``S`` is the natural-base sum and
 ``T`` is ``log2 e`` times the natural-base one, so at the end the max logit is
-``m ln 2`` and the entropy in nats ``ln S - ln 2 · T / S``.
+``m ln 2`` and the entropy in nats ``ln S - ln 2 · T / S``: one exponential per allowed
+(query, key) pair and no logarithm, the floor of exact statistics next to the QK^T GEMM.
+
+Precision: the logits are computed from q and k rounded to ``compute_dtype`` (what the
+model's attention used: under bf16 autocast SDPA casts float32 q/k to bf16) with float32
+accumulation on tensor cores. A float32 model without autocast gets TF32 when
+``torch.get_float32_matmul_precision()`` allows it and three-pass TF32 (float32-accurate)
+otherwise: never the plain float32 dot, which on the H200 ran 234x slower than bf16
+(34.5 ms against 0.169 ms for B 4, 16 heads, L 2048, head_dim 128; shared/NOTES.md).
+
+Rotary position embedding (``q_rope=(cos, sin)``): q may come *before* its rotation, in
+the rotate-half convention of Hugging Face's ``apply_rotary_pos_emb``; each program
+rotates its ``BLOCK_M`` query rows once, in float32, then rounds them to
+``compute_dtype``, as the model's float32 rotation followed by SDPA's cast does. Keys are
+rotated by :func:`syncless.kernels.rope.rotate` beforehand (rotating a key block here
+would redo it for every query block).
 
 Key blocks that every row of the block may see in full (before the causal diagonal,
 inside ``K_LEN``, no sliding window) are updated without masks; only the rest (the
@@ -21,6 +36,7 @@ number of query rows the block used (written by head 0 only).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,44 +44,96 @@ import triton.language as tl
 
 from syncless.hot_path import hot_path
 from syncless.kernels import interpreting
+from syncless.kernels.rope import rounded
 
-# H200, 24 layers of B=8, H=16, L=1024, D=64, causal, bf16 in one grouped launch (the
-# demo's "large" shape): 2.80 ms at 64 x 64 with 4 warps, 2.45 ms at 128 x 32 with 8
-# warps (a config sweep), 1.51 ms with base 2 and the unmasked blocks as well
-# (bench/RESULTS.md, monitor_kernels, fb3e2cf).
-_BLOCK_M = 128
-_BLOCK_N = 32
-_NUM_WARPS = 8
+
+@dataclass(frozen=True)
+class QKConfig:
+    """Tile sizes and launch shape of the statistics kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Per head_dim (the largest that fits wins). Before this table: 128 x 32, 8 warps for
+# every head_dim (2.45 ms -> 1.51 ms on the demo's large shape with base 2 and unmasked
+# blocks, bench/RESULTS.md monitor_kernels fb3e2cf); the entries below are
+# bench/attention_kernel.py's sweep on the H200 (bench/RESULTS.md, attention_kernel).
+CONFIGS: dict[int, QKConfig] = {
+    64: QKConfig(128, 64, 8, 3),
+    128: QKConfig(128, 64, 8, 3),
+    256: QKConfig(64, 64, 8, 2),
+}
 _LOG2E = math.log2(math.e)
 _LN2: tl.constexpr = tl.constexpr(math.log(2.0))
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def config_for(head_dim: int) -> QKConfig:
+    for dim in sorted(CONFIGS):
+        if head_dim <= dim:
+            return CONFIGS[dim]
+    return CONFIGS[max(CONFIGS)]
+
+
+def fp32_precision() -> str:
+    """The dot precision of float32 inputs: what torch's own float32 matmuls may use."""
+    return "tf32" if torch.get_float32_matmul_precision() != "highest" else "tf32x3"
+
+
+@triton.jit
+def _load_q(
+    q_base, cos_base, sin_base, qpos, row_ok, d, d_ok, sqm, sqd, scl, scd,
+    HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, COMPUTE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """The block's query rows in ``COMPUTE`` (float32 holding them with ``UPCAST``),
+    rotated first when ``ROPE``."""
+    mask = row_ok[:, None] & d_ok[None, :]
+    rows = qpos[:, None].to(tl.int64)
+    q = tl.load(q_base + rows * sqm + d[None, :] * sqd, mask=mask, other=0.0)
+    if ROPE:
+        # rotate_half(x) = cat(-x[D/2:], x[:D/2]); x * cos + rotate_half(x) * sin.
+        half: tl.constexpr = HEAD_DIM // 2
+        first = d < half
+        partner = tl.where(first, d + half, d - half)
+        sign = tl.where(first, -1.0, 1.0)
+        qp = tl.load(q_base + rows * sqm + partner[None, :] * sqd, mask=mask, other=0.0)
+        cos = tl.load(cos_base + rows * scl + d[None, :] * scd, mask=mask, other=0.0)
+        sin = tl.load(sin_base + rows * scl + d[None, :] * scd, mask=mask, other=0.0)
+        q = q.to(tl.float32) * cos.to(tl.float32) + (qp.to(tl.float32) * sign[None, :]) * sin.to(
+            tl.float32
+        )
+    return rounded(q, COMPUTE, UPCAST)
 
 
 @triton.jit
 def _k_logits(
-    q, k_base, start, K_LEN, skn, skd, d, d_ok, scale2,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, TAIL: tl.constexpr,
+    q, k_base, start, K_LEN, skn, skd, d, d_ok,
+    PRECISION: tl.constexpr, COMPUTE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, TAIL: tl.constexpr,
 ):  # fmt: skip
-    """Base-2 logits ``[BLOCK_M, BLOCK_N]`` of the keys from ``start``; ``TAIL``: some
-    may lie at or past ``K_LEN`` (loaded as zeros)."""
+    """Unscaled logits ``[BLOCK_M, BLOCK_N]`` (float32) of the keys from ``start``;
+    ``TAIL``: some may lie at or past ``K_LEN`` (loaded as zeros)."""
     n = start + tl.arange(0, BLOCK_N)
     mask = d_ok[None, :]
     if TAIL:
         mask = mask & (n < K_LEN)[:, None]
     kb = tl.load(k_base + n[:, None].to(tl.int64) * skn + d[None, :] * skd, mask=mask, other=0.0)
-    if UPCAST:
-        kb = kb.to(tl.float32)
-    return tl.dot(q, tl.trans(kb), input_precision=PRECISION) * scale2
+    kb = rounded(kb, COMPUTE, UPCAST)
+    return tl.dot(q, tl.trans(kb), input_precision=PRECISION)
 
 
 @triton.jit
 def _qk_block(
-    q_ptr, k_ptr, out_row, rb, b, h,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd,
+    q_ptr, k_ptr, cos_ptr, sin_ptr, out_row, rb, b, h,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, scl, scd,
     H, GROUP, N_ROWS, Q_LEN, K_LEN, WINDOW,
     scale2, weight, phase, stride,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ROPE: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Row block ``rb`` of sequence ``b``, head ``h``: writes its partials at ``out_row``.
     ``scale2`` is the softmax scale times ``log2 e``."""
@@ -76,14 +144,11 @@ def _qk_block(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q_base = q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+    cos_base = cos_ptr + b.to(tl.int64) * scb
+    sin_base = sin_ptr + b.to(tl.int64) * scb
     # Rows past N_ROWS load zeros: finite logits in the unmasked blocks, dropped at the end.
-    q = tl.load(
-        q_base + qpos[:, None].to(tl.int64) * sqm + d[None, :] * sqd,
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = _load_q(q_base, cos_base, sin_base, qpos, row_ok, d, d_ok, sqm, sqd, scl, scd,
+                HEAD_DIM, ROPE, COMPUTE, UPCAST)  # fmt: skip
     # Bottom-right alignment: query i sits at key position i + K_LEN - Q_LEN.
     kpos = qpos + (K_LEN - Q_LEN)
     first_row = rb * BLOCK_M
@@ -106,40 +171,42 @@ def _qk_block(
         # leaves a whole block inside it for every row.
         mid = lo
 
+    # m is in scaled base-2 units; the scale rides in one multiply-add per logit
+    # (raw * scale2 - m), and scale2 > 0 lets the row max be taken before scaling.
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     s_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     t_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
     for start in range(lo, mid, BLOCK_N):
-        logits = _k_logits(q, k_base, start, K_LEN, skn, skd, d, d_ok, scale2,
-                           PRECISION, UPCAST, BLOCK_N, False)  # fmt: skip
+        raw = _k_logits(q, k_base, start, K_LEN, skn, skd, d, d_ok,
+                        PRECISION, COMPUTE, UPCAST, BLOCK_N, False)  # fmt: skip
         # Every logit is finite, so is m_new; only the first block's m = -inf with
         # S = 0 needs the (per-row, cheap) guard against -inf * 0.
-        m_new = tl.maximum(m, tl.max(logits, axis=1))
+        m_new = tl.maximum(m, tl.max(raw, axis=1) * scale2)
         alpha = tl.exp2(m - m_new)
         shift = tl.where(s_sum > 0, (m - m_new) * s_sum, 0.0)
-        centred = logits - m_new[:, None]
+        centred = raw * scale2 - m_new[:, None]
         p = tl.exp2(centred)
         t_sum = alpha * (t_sum + shift) + tl.sum(p * centred, axis=1)
         s_sum = alpha * s_sum + tl.sum(p, axis=1)
         m = m_new
     for start in range(mid, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        logits = _k_logits(q, k_base, start, K_LEN, skn, skd, d, d_ok, scale2,
-                           PRECISION, UPCAST, BLOCK_N, True)  # fmt: skip
+        raw = _k_logits(q, k_base, start, K_LEN, skn, skd, d, d_ok,
+                        PRECISION, COMPUTE, UPCAST, BLOCK_N, True)  # fmt: skip
         allowed = row_ok[:, None] & (n < K_LEN)[None, :]
         if CAUSAL:
             allowed = allowed & (n[None, :] <= kpos[:, None])
         if HAS_WINDOW:
             allowed = allowed & (kpos[:, None] - n[None, :] < WINDOW)
-        logits = tl.where(allowed, logits, float("-inf"))
-        m_new = tl.maximum(m, tl.max(logits, axis=1))
+        raw = tl.where(allowed, raw, float("-inf"))
+        m_new = tl.maximum(m, tl.max(raw, axis=1) * scale2)
         # A row that has seen no allowed key yet keeps m = -inf: shift by 0 instead, so
         # no -inf - -inf = nan appears; its S and T stay 0.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_ref)
         shift = tl.where(s_sum > 0, (m - m_ref) * s_sum, 0.0)
-        centred = logits - m_ref[:, None]
+        centred = raw * scale2 - m_ref[:, None]
         p = tl.exp2(centred)
         t_sum = alpha * (t_sum + shift) + tl.sum(tl.where(allowed, p * centred, 0.0), axis=1)
         s_sum = alpha * s_sum + tl.sum(p, axis=1)
@@ -156,13 +223,13 @@ def _qk_block(
 # multiple of 16 the first time one appears, in the middle of training.
 @triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW", "phase", "stride"])
 def _qk_stats_kernel(
-    q_ptr, k_ptr, out_ptr,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd,
+    q_ptr, k_ptr, cos_ptr, sin_ptr, out_ptr,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, scl, scd,
     H, GROUP, N_ROWS, Q_LEN, K_LEN, N_RB, WINDOW,
     scale2, weight, phase, stride,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ROPE: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     rb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -170,25 +237,28 @@ def _qk_stats_kernel(
     h = bh % H
     out_row = out_ptr + (b * N_RB + rb).to(tl.int64) * (2 * H + 1)
     _qk_block(
-        q_ptr, k_ptr, out_row, rb, b, h, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
+        q_ptr, k_ptr, cos_ptr, sin_ptr, out_row, rb, b, h,
+        sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, scl, scd,
         H, GROUP, N_ROWS, Q_LEN, K_LEN, WINDOW, scale2, weight, phase, stride,
-        HEAD_DIM, CAUSAL, HAS_WINDOW, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_D,
+        HEAD_DIM, CAUSAL, HAS_WINDOW, ROPE, COMPUTE, PRECISION, UPCAST,
+        BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW"])
 def _qk_stats_grouped_kernel(
-    q_ptr, k_ptr, offsets_ptr, out_ptr,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd,
+    q_ptr, k_ptr, cos_ptr, sin_ptr, offsets_ptr, out_ptr,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, scl, scd,
     H, GROUP, N_ROWS, Q_LEN, K_LEN, N_RB, WINDOW, L, OUT_STRIDE,
     scale2,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ROPE: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Every row (exact mode) of layer ``program_id(2)``: its q at ``offsets[layer]`` and
-    its k at ``offsets[L + layer]`` elements from ``q_ptr`` / ``k_ptr``; its ``2H + 1``
-    columns at ``layer * (2H + 1)`` of ``out`` ``[B * N_RB, L * (2H + 1)]``."""
+    its k at ``offsets[L + layer]`` elements from ``q_ptr`` / ``k_ptr`` (and, with
+    ``ROPE``, its cos and sin at ``offsets[2L + layer]`` / ``offsets[3L + layer]``); its
+    ``2H + 1`` columns at ``layer * (2H + 1)`` of ``out`` ``[B * N_RB, L * (2H + 1)]``."""
     rb = tl.program_id(0)
     bh = tl.program_id(1)
     layer = tl.program_id(2)
@@ -196,12 +266,57 @@ def _qk_stats_grouped_kernel(
     h = bh % H
     q_base = q_ptr + tl.load(offsets_ptr + layer)
     k_base = k_ptr + tl.load(offsets_ptr + L + layer)
+    cos_base = cos_ptr
+    sin_base = sin_ptr
+    if ROPE:
+        cos_base = cos_ptr + tl.load(offsets_ptr + 2 * L + layer)
+        sin_base = sin_ptr + tl.load(offsets_ptr + 3 * L + layer)
     out_row = out_ptr + (b * N_RB + rb).to(tl.int64) * OUT_STRIDE + layer.to(tl.int64) * (2 * H + 1)
     _qk_block(
-        q_base, k_base, out_row, rb, b, h, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
+        q_base, k_base, cos_base, sin_base, out_row, rb, b, h,
+        sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, scl, scd,
         H, GROUP, N_ROWS, Q_LEN, K_LEN, WINDOW, scale2, 1.0, 0, 1,
-        HEAD_DIM, CAUSAL, HAS_WINDOW, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_D,
+        HEAD_DIM, CAUSAL, HAS_WINDOW, ROPE, COMPUTE, PRECISION, UPCAST,
+        BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip
+
+
+def _launch_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_rope: tuple[torch.Tensor, torch.Tensor] | None,
+    compute_dtype: torch.dtype | None,
+    config: QKConfig | None,
+) -> tuple[tuple, dict]:
+    """Pointers and strides of cos/sin, and the constexprs every launch shares."""
+    compute = compute_dtype or q.dtype
+    precision = fp32_precision() if compute == torch.float32 else "tf32"
+    # The CPU interpreter (CI) multiplies bfloat16 bit patterns as integers: round to
+    # the compute dtype, then upcast there.
+    upcast = interpreting() and compute == torch.bfloat16
+    if upcast or interpreting():
+        precision = "ieee"
+    if q_rope is None:
+        rope_args: tuple = (q, q, 0, 0, 0)  # never read (ROPE is off)
+    else:
+        cos, sin = q_rope
+        # [B or 1, L, D]: a batch of one broadcasts (stride 0).
+        scb = 0 if cos.shape[0] == 1 else cos.stride(0)
+        rope_args = (cos, sin, scb, cos.stride(1), cos.stride(2))
+    cfg = config or config_for(q.shape[3])
+    constexprs = {
+        "HEAD_DIM": q.shape[3],
+        "ROPE": q_rope is not None,
+        "COMPUTE": _TL_DTYPES[compute],
+        "PRECISION": precision,
+        "UPCAST": upcast,
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_D": max(16, triton.next_power_of_2(q.shape[3])),
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }
+    return rope_args, constexprs
 
 
 @hot_path
@@ -214,30 +329,29 @@ def qk_stats_partials(
     phase: int = 0,
     stride: int = 1,
     weight: float = 1.0,
+    *,
+    q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    compute_dtype: torch.dtype | None = None,
+    config: QKConfig | None = None,
 ) -> torch.Tensor:
     """Partials ``[B * ceil(n / BLOCK_M), 2H + 1]`` for query rows ``phase::stride``.
 
     ``q`` ``[B, H, Lq, D]`` (any strides), ``k`` ``[B, Hkv, Lk, D]``, ``H % Hkv == 0``.
+    ``q_rope``: ``(cos, sin)`` ``[B or 1, Lq, D]``: ``q`` is not rotated yet (module doc).
+    ``compute_dtype``: what q and k are rounded to before the dot (default ``q.dtype``).
     """
-    b, h, q_len, head_dim = q.shape
+    b, h, q_len, _ = q.shape
     hkv, k_len = k.shape[1], k.shape[2]
     n_rows = (q_len - phase + stride - 1) // stride
-    n_rb = triton.cdiv(n_rows, _BLOCK_M)
+    rope_args, meta = _launch_args(q, k, q_rope, compute_dtype, config)
+    n_rb = triton.cdiv(n_rows, meta["BLOCK_M"])
     out = torch.empty((b * n_rb, 2 * h + 1), dtype=torch.float32, device=q.device)
-    # fp32 inputs: full-precision dot products (the torch path's baddbmm does not use
-    # TF32 by default); bf16/fp16 products are exact in the fp32 accumulator anyway.
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    # The CPU interpreter (CI) multiplies bfloat16 bit patterns as integers: upcast there.
-    upcast = interpreting() and q.dtype == torch.bfloat16
-    if upcast:
-        precision = "ieee"
+    cos, sin, scb, scl, scd = rope_args
     _qk_stats_kernel[(n_rb, b * h)](
-        q, k, out, *q.stride(), *k.stride(),
+        q, k, cos, sin, out, *q.stride(), *k.stride(), scb, scl, scd,
         h, h // hkv, n_rows, q_len, k_len, n_rb, window or 0,
         float(scale) * _LOG2E, float(weight), phase, stride,
-        HEAD_DIM=head_dim, CAUSAL=causal, HAS_WINDOW=window is not None,
-        PRECISION=precision, UPCAST=upcast, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=_NUM_WARPS,
+        CAUSAL=causal, HAS_WINDOW=window is not None, **meta,
     )  # fmt: skip
     return out
 
@@ -251,26 +365,27 @@ def qk_stats_partials_grouped(
     scale: float,
     causal: bool,
     window: int | None,
+    *,
+    q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    compute_dtype: torch.dtype | None = None,
+    config: QKConfig | None = None,
 ) -> torch.Tensor:
     """Partials ``[B * ceil(Lq / BLOCK_M), L * (2H + 1)]`` of ``L`` layers, every query
-    row (exact mode), in one launch: ``q``/``k`` are layer 0's, layer ``l``'s sit at
-    ``offsets[l]`` / ``offsets[L + l]`` elements from them with the same shapes, dtypes
-    and strides."""
-    b, h, q_len, head_dim = q.shape
+    row (exact mode), in one launch: ``q``/``k`` (and ``q_rope``'s cos/sin) are layer
+    0's, layer ``l``'s sit at ``offsets[l]`` / ``offsets[L + l]`` (cos and sin at
+    ``offsets[2L + l]`` / ``offsets[3L + l]``) elements from them with the same shapes,
+    dtypes and strides."""
+    b, h, q_len, _ = q.shape
     hkv, k_len = k.shape[1], k.shape[2]
-    n_rb = triton.cdiv(q_len, _BLOCK_M)
+    rope_args, meta = _launch_args(q, k, q_rope, compute_dtype, config)
+    n_rb = triton.cdiv(q_len, meta["BLOCK_M"])
     width = 2 * h + 1
     out = torch.empty((b * n_rb, n_layers * width), dtype=torch.float32, device=q.device)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    upcast = interpreting() and q.dtype == torch.bfloat16
-    if upcast:
-        precision = "ieee"
+    cos, sin, scb, scl, scd = rope_args
     _qk_stats_grouped_kernel[(n_rb, b * h, n_layers)](
-        q, k, offsets, out, *q.stride(), *k.stride(),
+        q, k, cos, sin, offsets, out, *q.stride(), *k.stride(), scb, scl, scd,
         h, h // hkv, q_len, q_len, k_len, n_rb, window or 0, n_layers, n_layers * width,
         float(scale) * _LOG2E,
-        HEAD_DIM=head_dim, CAUSAL=causal, HAS_WINDOW=window is not None,
-        PRECISION=precision, UPCAST=upcast, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=_NUM_WARPS,
+        CAUSAL=causal, HAS_WINDOW=window is not None, **meta,
     )  # fmt: skip
     return out

@@ -9,12 +9,14 @@ Metrics (per layer with attention, one element per query head; docs/monitors/att
 * ``monitors/step/attn_sampled_frac`` (mean, fraction): query rows used / rows seen,
   over every layer, call and rank; 1.0 means every statistic is exact.
 
-Hot path, per hooked attention forward (exact path, float32 q/k, causal), 13 kernels and
-no sync, no collective: baddbmm (the scale rides in alpha), masked_fill, amax, softmax,
-entr, sum; the max slot's update (fp32 -> fp64 cast, where, clamp); the entropy and
-sampled-fraction slots' adds (addcmul + add each). bf16/fp16 inputs add one cast each.
-Above ``max_elements`` logits the sampled mode uses every ``stride``-th query row (see
-:mod:`syncless.monitors.attention_stats`).
+The logits are computed from q and k as the model's attention saw them: rounded to the
+autocast dtype when the forward runs under autocast (SDPA casts float32 q/k to it), with
+float32 accumulation and float32/64 statistics. On CUDA (Triton) one grouped launch per
+forward reads every layer (``syncless.kernels.attention``); a site that hands q/k before
+their rotary embedding (the Hugging Face adapter) has k rotated by one small launch per
+layer and q rotated inside the statistics kernel. The torch fallback materialises the
+logits of the rows it uses (13 kernels per layer, float32): above ``max_elements``
+logits it uses every ``stride``-th query row (:mod:`syncless.monitors.attention_stats`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from syncless.errors import UsageError
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot, layer_scope
 from syncless.metrics.slot_group import Column, SlotGroup
-from syncless.monitors.adapters import AttentionSite
+from syncless.monitors.adapters import AttentionSite, Rotary
 from syncless.monitors.attention_stats import (
     DEFAULT_FUSED_MAX_ELEMENTS,
     DEFAULT_MAX_ELEMENTS,
@@ -52,10 +54,11 @@ class AttentionMonitor:
     logits tensor one hook may materialise (float32, so 4 bytes each, twice at the
     softmax); above it the query rows are sampled with a stride (docs/monitors/attention.md).
     ``fused_max_elements``: the same bound for the fused Triton kernel, which never
-    materialises logits, so it bounds time, not memory: at the default the demo's
-    ``large`` preset (``2**27`` logits per layer) is exact, 1.51 ms of the H200 for its
-    24 layers against 1.09 ms sampling every 8th row (bench/RESULTS.md, monitor_kernels,
-    fb3e2cf).
+    materialises logits, so it bounds time, not memory. The default is exact at any
+    shape a GPU trains (``2**40`` logits): the kernel runs near the hardware's floor, and
+    the handle's overhead budget (``attach(..., budget=)``) sets how often it runs;
+    lower it to trade exactness of every active step for rows sampled at a rotating
+    phase.
     """
 
     name = "attention"
@@ -107,7 +110,7 @@ class AttentionMonitor:
                 ctx.metrics,
                 [Column(recorder.logit_max), Column(recorder.entropy), Column(self._frac)],
             )
-            ctx.handles += site.attach_qk(ctx.timed(self.name, recorder.record))
+            ctx.handles += site.attach_qk_rotary(ctx.timed(self.name, recorder.record))
         recorders = [self._recorders[site.layer] for site in ctx.model.attention]
         if self.launch == "grouped" and len({r.statics for r in recorders}) == 1:
             self._batch = self._grouped_batch(ctx, recorders)
@@ -122,12 +125,17 @@ class AttentionMonitor:
         assert frac is not None
         by_layer = {r.layer: r for r in recorders}
 
-        def exact(q: torch.Tensor, k: torch.Tensor) -> bool:
+        def exact(q: torch.Tensor, k: torch.Tensor, *rope: torch.Tensor) -> bool:
             batch, _, q_len, _ = q.shape
             return row_stride(batch, n_heads, q_len, k.shape[2], self.fused_max_elements) == 1
 
-        def grouped(q: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor, n: int):
-            return kernels.qk_stats_partials_grouped(q, k, offsets, n, scale, causal, window)
+        def grouped(q: torch.Tensor, k: torch.Tensor, *rest: torch.Tensor | int):
+            # (q, k, offsets, n) or, for unrotated q, (q, k, cos, sin, offsets, n)
+            *rope, offsets, n = rest
+            return kernels.qk_stats_partials_grouped(
+                q, k, offsets, n, scale, causal, window,  # type: ignore[arg-type]
+                q_rope=tuple(rope) or None, compute_dtype=first.compute,  # type: ignore[arg-type]
+            )  # fmt: skip
 
         n_layers = len(recorders)
         frac.prepare_add_ones()
@@ -148,14 +156,14 @@ class AttentionMonitor:
         return LayerBatch(
             [r.layer for r in recorders],
             SlotGroup(ctx.metrics, columns),
-            view=lambda q, k: (q, k),
+            view=lambda *qk: qk,
             grouped=grouped,
-            single=lambda layer, q, k: by_layer[layer].record_fused(q, k),
+            single=lambda layer, *qk: by_layer[layer].record_fused(*qk),
             device=ctx.metrics.buffer.device,  # type: ignore[union-attr]
             accepts=exact,
             after=rows_used,
-            samples=lambda q, k: q.shape[0] * q.shape[2],
-            tensors=2,
+            samples=lambda q, *rest: q.shape[0] * q.shape[2],
+            tensors=4 if first.rotary_inputs else 2,
             defer_fold=True,  # nothing reads these slots before the flush
         )
 
@@ -183,6 +191,18 @@ class AttentionMonitor:
 
     def close(self) -> None:
         self.plans.clear()
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype the model's attention multiplied q and k in: the autocast dtype for
+    float32 q/k under autocast (SDPA is on autocast's lower-precision list), else theirs.
+    Host state only."""
+    device_type = q.device.type
+    if q.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        if dtype in (torch.bfloat16, torch.float16):
+            return dtype
+    return q.dtype
 
 
 def _check_site(site: AttentionSite) -> None:
@@ -213,22 +233,27 @@ class _LayerRecorder:
         self.head_dim = site.head_dim
         self.scale = float(site.scale)
         self.causal, self.window = site.causal, site.sliding_window
+        # The site hands q/k before their rotation (attach_qk_rotary): the grouped
+        # launch then takes (q, k, cos, sin) per layer.
+        self.rotary_inputs = bool(getattr(site, "rotate_half", False))
         self.logit_max, self.entropy = logit_max, entropy
         self.frac: Slot | None = None
         self.group: SlotGroup | None = None  # the fused path's fold targets (attach)
         self.sampled_calls = 0  # rotates the sampling phase; host int, no device state
-        self._checked: tuple | None = None  # (q shape, k shape, dtype) taken to the batch
+        self.compute = torch.float32  # the dtype of the last record's logits' inputs
+        self._checked: tuple | None = None  # what was taken to the batch, checked once
 
     @hot_path
-    def record(self, q: torch.Tensor, k: torch.Tensor) -> None:
+    def record(self, q: torch.Tensor, k: torch.Tensor, rotary: Rotary | None = None) -> None:
         if not self.monitor.active:
             return
+        self.compute = _compute_dtype(q)
         batch_of_layers = self.monitor._batch
-        checked = (q.shape, k.shape, q.dtype) == self._checked
-        if batch_of_layers is not None and checked and kernels.use_triton(q):
+        key = (q.shape, k.shape, q.dtype, rotary is None)
+        if batch_of_layers is not None and key == self._checked and kernels.use_triton(q):
             # Shapes seen and checked before (every step of a fixed-shape run): the
             # grouped launch reads the tensors; holding them needs no detach.
-            batch_of_layers.add(self.layer, q, k)
+            batch_of_layers.add(self.layer, *self._kernel_inputs(q, k, rotary))
             return
         self._check_shapes(q, k)
         batch, _, q_len, _ = q.shape
@@ -237,12 +262,17 @@ class _LayerRecorder:
         if kernels.use_triton(q) and kernels.qk_supported(q, k):
             # The kernel masks from indices: it needs the stride, never a plan's masks.
             check_lengths(q_len, k_len, self.causal)
-            if batch_of_layers is not None:
-                self._checked = (q.shape, k.shape, q.dtype)
-                batch_of_layers.add(self.layer, q, k)
+            inputs = self._kernel_inputs(q, k, rotary)
+            if batch_of_layers is not None and (rotary is not None) == self.rotary_inputs:
+                self._checked = key
+                batch_of_layers.add(self.layer, *inputs)
                 return
-            self.record_fused(q, k)
+            self.record_fused(*inputs)
             return
+        if rotary is not None:
+            q, k = rotary.rotated(q, k)
+        if self.compute != q.dtype:  # what SDPA multiplied under autocast
+            q, k = q.to(self.compute), k.to(self.compute)
         plan = self.monitor.plans.get(
             batch, self.n_heads, q_len, k_len, self.causal, self.window, q.device
         )
@@ -262,19 +292,31 @@ class _LayerRecorder:
     def statics(self) -> tuple:
         """What one grouped kernel needs every layer to share."""
         return (self.n_heads, self.n_kv_heads, self.head_dim, self.scale, self.causal,
-                self.window)  # fmt: skip
+                self.window, self.rotary_inputs)  # fmt: skip
 
     @hot_path
-    def record_fused(self, q: torch.Tensor, k: torch.Tensor) -> None:
+    def _kernel_inputs(
+        self, q: torch.Tensor, k: torch.Tensor, rotary: Rotary | None
+    ) -> tuple[torch.Tensor, ...]:
+        """What the kernel reads: (q, k), or (q, k rotated, cos, sin) for unrotated q/k
+        (k rotated by one launch, straight into the compute dtype)."""
+        if rotary is None:
+            return q, k
+        cos, sin = rotary.cos, rotary.sin
+        return q, kernels.rope_rotate(k, cos, sin, self.compute), cos, sin
+
+    @hot_path
+    def record_fused(self, q: torch.Tensor, k: torch.Tensor, *rope: torch.Tensor) -> None:
         """This layer alone through the fused kernel (sampled rows at a rotating phase
-        when the logits would not fit ``max_elements``)."""
+        when the logits would not fit ``max_elements``); ``rope``: q's cos and sin."""
         batch, _, q_len, _ = q.shape
         budget = self.monitor.fused_max_elements
         stride = row_stride(batch, self.n_heads, q_len, k.shape[2], budget)
         phase = self._next_phase(stride)
         partials = kernels.qk_stats_partials(
-            q, k, self.scale, self.causal, self.window, phase, stride, stride
-        )
+            q, k, self.scale, self.causal, self.window, phase, stride, stride,
+            q_rope=tuple(rope) or None, compute_dtype=self.compute,  # type: ignore[arg-type]
+        )  # fmt: skip
         assert self.group is not None, "attach() builds the fold group"
         self.group.fold(partials, batch * q_len)
 

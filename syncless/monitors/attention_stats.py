@@ -25,8 +25,9 @@ import torch
 from syncless.hot_path import hot_path
 
 DEFAULT_MAX_ELEMENTS = 2**24
-# The fused kernel keeps no logits: its budget bounds time (see AttentionMonitor).
-DEFAULT_FUSED_MAX_ELEMENTS = 2**28
+# The fused kernel keeps no logits: its budget bounds time, and the handle's overhead
+# budget already sets the cadence, so the default is exact (see AttentionMonitor).
+DEFAULT_FUSED_MAX_ELEMENTS = 2**40
 # Distinct (batch, heads, lengths, mask, device) shapes kept; a model sees a handful
 # (train / eval batch, last short batch), variable-length batching a few more.
 PLAN_CACHE_SIZE = 32

@@ -86,3 +86,91 @@ def test_grouped_partials_match_the_reference_per_layer(window):
         assert rows.item() == batch * length
         np.testing.assert_allclose(maxes.cpu(), ref_maxes.cpu(), rtol=1e-5)
         np.testing.assert_allclose(entropy.cpu(), ref_entropy.cpu(), rtol=1e-5)
+
+
+def _rotate(x, cos, sin):
+    """The rotate-half rotation in float32 (as HF computes it with float32 cos/sin)."""
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x.float() * cos[:, None] + turned.float() * sin[:, None]
+
+
+def _cos_sin(batch, length, head_dim, g):
+    # per-sequence positions (batch > 1 rows differ), as with packed or offset position ids
+    pos = torch.randint(0, 4 * length, (batch, length, 1), generator=g).float()
+    inv = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = pos * torch.cat([inv, inv])[None, None, :]
+    return freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("cos_batch", [1, 2])
+def test_unrotated_q_and_rotated_k_match_the_reference(window, cos_batch):
+    """q straight from its projection ([B, L, H*D] viewed as [B, H, L, D]), rotated in
+    the kernel; k rotated by kernels.rope_rotate; both rounded to bf16 like SDPA's
+    inputs under autocast. Reference: the float32 rotation, rounded to bf16, in float64."""
+    batch, heads, kv_heads, length, head_dim = 2, 4, 2, 150, 32
+    g = torch.Generator().manual_seed(11 + cos_batch)
+    q_proj = (torch.randn(batch, length, heads * head_dim, generator=g) * 3).to(torch.bfloat16)
+    k_proj = torch.randn(batch, length, kv_heads * head_dim, generator=g).to(torch.bfloat16)
+    q = q_proj.to(DEVICE).view(batch, length, heads, head_dim).transpose(1, 2)
+    k = k_proj.to(DEVICE).view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    cos, sin = _cos_sin(cos_batch, length, head_dim, g)
+    k_rot = kernels.rope_rotate(k, cos, sin, torch.bfloat16)
+    want_k = _rotate(k, cos, sin).to(torch.bfloat16)
+    assert k_rot.is_contiguous() and k_rot.dtype == torch.bfloat16
+    assert torch.equal(k_rot.cpu(), want_k.cpu())  # rounded to nearest, exactly as torch
+
+    scale = head_dim**-0.5
+    partials = kernels.qk_stats_partials(
+        q, k_rot, scale, True, window, q_rope=(cos, sin), compute_dtype=torch.bfloat16
+    )
+    maxes, entropy, rows = _folded(partials, batch, heads)
+    want_q = _rotate(q, cos, sin).to(torch.bfloat16)
+    ref_maxes, ref_entropy = _reference(want_q, want_k, scale, True, window, 0, 1)
+    assert rows.item() == batch * length
+    np.testing.assert_allclose(maxes.cpu(), ref_maxes.cpu(), rtol=1e-5)
+    np.testing.assert_allclose(entropy.cpu(), ref_entropy.cpu(), rtol=1e-5)
+
+
+def test_float32_inputs_are_rounded_to_the_compute_dtype():
+    """Under bf16 autocast HF hands float32 q/k (float32 cos/sin) and SDPA multiplies
+    them in bf16: the statistics are those of the bf16-rounded inputs, not of float32."""
+    batch, heads, length, head_dim = 1, 2, 130, 16
+    g = torch.Generator().manual_seed(5)
+    q = (torch.randn(batch, heads, length, head_dim, generator=g) * 4).to(DEVICE)
+    k = torch.randn(batch, heads, length, head_dim, generator=g).to(DEVICE)
+    scale = head_dim**-0.5
+    partials = kernels.qk_stats_partials(q, k, scale, True, None, compute_dtype=torch.bfloat16)
+    maxes, entropy, _ = _folded(partials, batch, heads)
+    ref_maxes, ref_entropy = _reference(
+        q.to(torch.bfloat16), k.to(torch.bfloat16), scale, True, None, 0, 1
+    )
+    np.testing.assert_allclose(maxes.cpu(), ref_maxes.cpu(), rtol=1e-5)
+    np.testing.assert_allclose(entropy.cpu(), ref_entropy.cpu(), rtol=1e-5)
+    fp32_maxes, _ = _reference(q, k, scale, True, None, 0, 1)
+    assert not np.allclose(maxes.cpu(), fp32_maxes.cpu(), rtol=1e-6)  # the rounding shows
+
+
+def test_grouped_partials_with_unrotated_q():
+    layers, batch, heads, length, head_dim = 2, 1, 2, 140, 16
+    g = torch.Generator().manual_seed(9)
+    q = (torch.randn(layers, batch, heads, length, head_dim, generator=g) * 3).to(DEVICE)
+    k = torch.randn(layers, batch, heads, length, head_dim, generator=g).to(DEVICE)
+    cos, sin = _cos_sin(1, length, head_dim, g)
+    k_rot = torch.stack([kernels.rope_rotate(k[i], cos, sin, torch.float32) for i in range(2)])
+    # cos/sin are the same tensors for every layer (offset 0), as HF passes them
+    offsets = [i * q[0].numel() for i in range(layers)]
+    offsets += [i * k_rot[0].numel() for i in range(layers)] + [0] * (2 * layers)
+    offsets = torch.tensor(offsets, device=DEVICE)
+    scale = head_dim**-0.5
+    out = kernels.qk_stats_partials_grouped(
+        q[0], k_rot[0], offsets, layers, scale, True, None, q_rope=(cos, sin)
+    )
+    width = 2 * heads + 1
+    for i in range(layers):
+        maxes, entropy, _ = _folded(out[:, i * width : (i + 1) * width], batch, heads)
+        want_q, want_k = _rotate(q[i], cos, sin), _rotate(k[i], cos, sin)
+        ref_maxes, ref_entropy = _reference(want_q, want_k, scale, True, None, 0, 1)
+        np.testing.assert_allclose(maxes.cpu(), ref_maxes.cpu(), rtol=1e-5)
+        np.testing.assert_allclose(entropy.cpu(), ref_entropy.cpu(), rtol=1e-5)

@@ -183,6 +183,20 @@ def test_low_precision_inputs_and_autocast_are_computed_in_float32():
     check(flush(ms), naive(q.float(), k.float(), site.scale, True))
 
 
+def test_float32_qk_under_autocast_are_rounded_as_sdpa_sees_them(kernel_backend):
+    """HF under bf16 autocast hands float32 q/k (float32 cos/sin) and SDPA casts them
+    to bf16: the logits are those of the bf16 values (the float32 ones differ)."""
+    site = fake_site(heads=4, kv_heads=2)
+    _, ms = monitored([site])
+    q, k = qk(2, 4, 2, 16, spread=6.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        site.fire(q, k)
+    readout = flush(ms)
+    check(readout, naive(q.bfloat16().float(), k.bfloat16().float(), site.scale, True))
+    exact = naive(q, k, site.scale, True).maxes
+    assert not np.allclose(readout.get(MAX.format(0)), exact, rtol=1e-6)
+
+
 def test_two_calls_accumulate_max_and_count_weighted_mean():
     site = fake_site(heads=2, kv_heads=1)
     _, ms = monitored([site])

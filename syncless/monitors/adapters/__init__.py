@@ -23,6 +23,8 @@ from syncless.monitors.adapters.sites import (
     LayerSite,
     ModelMap,
     QKCallback,
+    Rotary,
+    RotaryQKCallback,
     RouterSite,
     TensorCallback,
 )
@@ -45,6 +47,8 @@ __all__ = [
     "ModelMap",
     "MultiheadAttentionAdapter",
     "QKCallback",
+    "Rotary",
+    "RotaryQKCallback",
     "RouterSite",
     "TensorCallback",
     "find_layers",

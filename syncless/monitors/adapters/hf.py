@@ -18,14 +18,20 @@ passed in by the decoder layer, then softmax(q k^T * scaling). The adapter hooks
   and ``position_embeddings``;
 - forward hooks on ``q_norm``/``k_norm`` (else ``q_proj``/``k_proj``): keep their
   outputs;
-- a forward hook on ``self_attn``: reshapes them exactly as the model does and applies
-  the model's own ``apply_rotary_pos_emb`` (looked up in the attention class's module)
-  to the detached tensors, then calls the callback.
+- a forward hook on ``self_attn``: reshapes them exactly as the model does and, for
+  ``attach_qk``, applies the model's own ``apply_rotary_pos_emb`` (looked up in the
+  attention class's module) to the detached tensors, then calls the callback.
 
-The projections are not recomputed; the rotation is, once more per attention forward:
-a few elementwise passes over q and k (about 6 reads/writes of ``B*L*(H+H_kv)*D``
-elements), no autograd graph. Since the same function runs on the same inputs, the
-result is bitwise what entered the softmax. With a KV cache (generation), k is the new
+The projections are not recomputed. ``attach_qk`` recomputes the rotation once more per
+attention forward: a few elementwise passes over q and k (about 6 reads/writes of
+``B*L*(H+H_kv)*D`` elements, in float32 under autocast since HF's cos/sin are float32),
+no autograd graph; the same function on the same inputs gives bitwise what entered the
+softmax. ``attach_qk_rotary`` skips it when the model's function is the rotate-half
+rotation (checked once, at registration, on random inputs against the formula): it
+hands the unrotated q and k with a :class:`Rotary`, and the attention monitor's kernel
+rotates them as it reads them. On the H200 the recompute, its float32 copies and their
+casts cost the Llama of issue #19 more than the statistics kernel itself (+8.8% of the
+step with the kernel on bf16 inputs). With a KV cache (generation), k is the new
 tokens' keys only, not the cached ones.
 """
 
@@ -37,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -47,6 +54,9 @@ from syncless.monitors.adapters.sites import (
     LayerSite,
     ModelMap,
     QKCallback,
+    RopeFn,
+    Rotary,
+    RotaryQKCallback,
     RouterSite,
 )
 
@@ -62,8 +72,6 @@ _LAYER_PATHS = (
 _MOE_ATTRS = ("mlp", "block_sparse_moe")  # block_sparse_moe: Mixtral before transformers 4.5x
 _ROPE_NAME = "apply_rotary_pos_emb"
 
-RopeFn = Callable[..., tuple[Tensor, Tensor]]
-
 
 @dataclass
 class HFAttentionSite(AttentionSite):
@@ -71,25 +79,40 @@ class HFAttentionSite(AttentionSite):
 
     rope: RopeFn | None = field(default=None, repr=False)
     rope_problem: str = field(default="", repr=False)
+    # The model's rotation is rotate-half (checked at registration): q/k may be handed
+    # over unrotated (attach_qk_rotary).
+    rotate_half: bool = field(default=False, repr=False)
 
     def attach_qk(self, callback: QKCallback) -> list[RemovableHandle]:
+        state = _QKState()
+        post = _make_attn_post_hook(state, self._rope(), self.head_dim, callback)
+        return self._hooks(state, post)
+
+    def attach_qk_rotary(self, callback: RotaryQKCallback) -> list[RemovableHandle]:
+        if not self.rotate_half:
+            return super().attach_qk_rotary(callback)
+        state = _QKState()
+        post = _make_rotary_post_hook(state, self._rope(), self.head_dim, callback)
+        return self._hooks(state, post)
+
+    def _rope(self) -> RopeFn:
         if self.rope is None:
             raise UsageError(
                 f"attach_qk() on layer {self.layer} ({type(self.module).__name__}): "
                 f"{self.rope_problem} Register an adapter for this model "
                 "(see docs/adapters.md)."
             )
+        return self.rope
+
+    def _hooks(self, state: _QKState, post_hook: Callable[..., None]) -> list[RemovableHandle]:
         attn = self.module
         q_src = _submodule(attn, "q_norm") or attn.q_proj
         k_src = _submodule(attn, "k_norm") or attn.k_proj
-        state = _QKState()
         return [
             attn.register_forward_pre_hook(_make_attn_pre_hook(state), with_kwargs=True),
             q_src.register_forward_hook(_make_proj_hook(state, "q")),
             k_src.register_forward_hook(_make_proj_hook(state, "k")),
-            attn.register_forward_hook(
-                _make_attn_post_hook(state, self.rope, self.head_dim, callback)
-            ),
+            attn.register_forward_hook(post_hook),
         ]
 
 
@@ -176,6 +199,7 @@ def _map_block(block: nn.Module, index: int, model_config: Any) -> LayerSite:
         sliding_window=_sliding_window(attn, config, index),
         rope=rope,
         rope_problem=problem,
+        rotate_half=rope is not None and _is_rotate_half(rope),
     )
     mlp = next((m for a in _MOE_ATTRS if isinstance(m := getattr(inner, a, None), nn.Module)), None)
     return LayerSite(
@@ -206,6 +230,24 @@ def _rope_function(attn: nn.Module) -> tuple[RopeFn | None, str]:
             "softmax are not the rotated projections this adapter rebuilds."
         )
     return fn, ""
+
+
+def _is_rotate_half(rope: RopeFn) -> bool:
+    """Whether ``rope(q, k, cos, sin)`` is ``x * cos + rotate_half(x) * sin`` with cos/sin
+    ``[B, L, D]`` broadcast over heads: tried on random float64 inputs (cold path)."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, h, 3, 8, generator=g, dtype=torch.float64) for h in (2, 1))
+    cos, sin = (torch.randn(1, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def reference(x: Tensor) -> Tensor:
+        turned = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
+        return x * cos[:, None] + turned * sin[:, None]
+
+    try:
+        q_out, k_out = rope(q, k, cos, sin)
+    except Exception:  # another signature or convention: the recompute path stays
+        return False
+    return bool(torch.allclose(q_out, reference(q)) and torch.allclose(k_out, reference(k)))
 
 
 def _sliding_window(attn: nn.Module, config: Any, index: int) -> int | None:
@@ -329,5 +371,32 @@ def _make_attn_post_hook(
         q, k = rope(q, k, state.cos.detach(), state.sin.detach())  # type: ignore[union-attr]
         state.clear()  # drop the references until the next forward
         callback(q, k)
+
+    return attn_post_hook
+
+
+def _make_rotary_post_hook(
+    state: _QKState, rope: RopeFn, head_dim: int, callback: RotaryQKCallback
+) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+    def attn_post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        q = state.q.view(*state.shape, -1, head_dim).transpose(1, 2)  # type: ignore[union-attr]
+        k = state.k.view(*state.shape, -1, head_dim).transpose(1, 2)  # type: ignore[union-attr]
+        cos, sin = state.cos.detach(), state.sin.detach()  # type: ignore[union-attr]
+        state.clear()
+        # Shapes and strides only (host metadata): the kernels read cos/sin as [B or 1,
+        # L, D] sharing one layout; anything else (partial rotary, another layout) gets
+        # the model's own rotation here instead.
+        if (
+            cos.dim() == 3
+            and cos.shape[1:] == (q.shape[2], head_dim)
+            and cos.shape[0] in (1, q.shape[0])
+            and sin.shape == cos.shape
+            and sin.stride() == cos.stride()
+            and k.shape[2] == q.shape[2]
+        ):
+            callback(q, k, Rotary(cos, sin, rope))
+        else:
+            q, k = rope(q, k, cos, sin)
+            callback(q, k, None)
 
     return attn_post_hook

@@ -22,6 +22,25 @@ from torch.utils.hooks import RemovableHandle
 
 QKCallback = Callable[[Tensor, Tensor], None]
 TensorCallback = Callable[[Tensor], None]
+RopeFn = Callable[..., tuple[Tensor, Tensor]]
+
+
+class Rotary:
+    """The rotary embedding a site has not applied yet: ``cos``/``sin`` ``[B or 1, L,
+    D]`` in the rotate-half convention (``x * cos + rotate_half(x) * sin``), and the
+    model's own function, ``apply(q, k, cos, sin) -> (q, k)``, for consumers that want
+    the rotated tensors."""
+
+    __slots__ = ("apply", "cos", "sin")
+
+    def __init__(self, cos: Tensor, sin: Tensor, apply: RopeFn) -> None:
+        self.cos, self.sin, self.apply = cos, sin, apply
+
+    def rotated(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return self.apply(q, k, self.cos, self.sin)
+
+
+RotaryQKCallback = Callable[[Tensor, Tensor, "Rotary | None"], None]
 
 
 @dataclass
@@ -57,6 +76,18 @@ class AttentionSite:
             f"{type(self).__name__} does not implement attach_qk(); an adapter's "
             "AttentionSite subclass must (see docs/adapters.md)"
         )
+
+    def attach_qk_rotary(self, callback: RotaryQKCallback) -> list[RemovableHandle]:
+        """Call ``callback(q, k, rotary)`` once per forward of :attr:`module`.
+
+        Like :meth:`attach_qk`, except that a site whose model rotates q and k outside
+        any module boundary may hand them over *before* the rotation, with a
+        :class:`Rotary` that says how (``rotary`` is ``None`` when q and k are already
+        rotated). A kernel can then apply the rotation as it reads q and k, instead of
+        the adapter re-running the model's rotation in separate passes. Default: the
+        rotated tensors of :meth:`attach_qk` and ``None``.
+        """
+        return self.attach_qk(_without_rotary(callback))
 
 
 @dataclass
@@ -138,6 +169,13 @@ class ModelMap:
     def routers(self) -> list[RouterSite]:
         """The router sites of the MoE layers."""
         return [layer.router for layer in self.layers if layer.router is not None]
+
+
+def _without_rotary(callback: RotaryQKCallback) -> QKCallback:
+    def qk(q: Tensor, k: Tensor) -> None:
+        callback(q, k, None)
+
+    return qk
 
 
 def _make_logits_hook(

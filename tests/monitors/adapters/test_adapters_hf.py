@@ -177,6 +177,45 @@ def test_hooks_reproduce_the_model(family: str, hook_guard) -> None:
         assert logits[i][0].shape == (B * L, site.router.n_experts)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+def test_rotary_hook_hands_unrotated_qk_the_models_rotation_turns_into_attach_qks(
+    family: str, hook_guard
+) -> None:
+    model = build(family)
+    site = find_layers(model).layers[1].attention
+    assert site.rotate_half  # checked at registration against the formula
+    hook_guard.snapshot(model)
+    got, want = [], []
+    site.attach_qk_rotary(lambda q, k, rotary: got.append((q, k, rotary)))
+    site.attach_qk(lambda q, k: want.append((q, k)))
+    hook_guard.guard(model)
+    with torch.no_grad():
+        model(ids())
+    (q, k, rotary), (want_q, want_k) = got[0], want[0]
+    assert rotary is not None and rotary.cos.shape == (1, L, site.head_dim)
+    assert q.shape == want_q.shape and not torch.equal(q, want_q)  # not rotated yet
+    rotated_q, rotated_k = rotary.rotated(q, k)
+    assert torch.equal(rotated_q, want_q) and torch.equal(rotated_k, want_k)
+
+
+def test_another_rotation_convention_is_not_taken_for_rotate_half() -> None:
+    from syncless.monitors.adapters.hf import _is_rotate_half
+
+    def interleaved(q, k, cos, sin):  # GPT-J / GLM style: pairs (0, 1), (2, 3), ...
+        def turn(x):
+            return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+        return (q * cos[:, None] + turn(q) * sin[:, None],
+                k * cos[:, None] + turn(k) * sin[:, None])  # fmt: skip
+
+    model_rope = type(build("llama").model.layers[0].self_attn).__module__
+    import sys
+
+    assert _is_rotate_half(sys.modules[model_rope].apply_rotary_pos_emb)
+    assert not _is_rotate_half(interleaved)
+    assert not _is_rotate_half(lambda q, k: (q, k))  # another signature
+
+
 def test_qk_with_sdpa_reproduce_the_attention_output(hook_guard) -> None:
     """Under the default SDPA kernel (no attention weights): rebuild the output from q/k."""
     model = build("llama", attn_implementation="sdpa")
