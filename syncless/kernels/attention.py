@@ -24,8 +24,8 @@ rotated by :func:`syncless.kernels.rope.rotate` beforehand (rotating a key block
 would redo it for every query block).
 
 Key blocks that every row of the block may see in full (before the causal diagonal,
-inside ``K_LEN``, no sliding window) are updated without masks; only the rest (the
-diagonal, a ragged tail, every block under a sliding window) pays for them. Key blocks
+inside ``K_LEN``, inside every row's sliding window) are updated without masks; only the
+rest (the diagonal, a ragged tail, a window's lower edge) pays for them. Key blocks
 nobody may see are skipped.
 
 Partials ``[B * n_row_blocks, 2H + 1]``: per-head max logit, per-head entropy sum (times
@@ -61,10 +61,12 @@ class QKConfig:
 # every head_dim (2.45 ms -> 1.51 ms on the demo's large shape with base 2 and unmasked
 # blocks, bench/RESULTS.md monitor_kernels fb3e2cf); the entries below are
 # bench/attention_kernel.py's sweep on the H200 (bench/RESULTS.md, attention_kernel).
+# 64 x 64 with 4 warps took 0.453 ms on B 2, H 32/8, L 4096, D 128 against 0.585 ms at
+# the former 128 x 32 with 8 warps, and 0.167 against 0.219 ms at D 64 (40bb95a).
 CONFIGS: dict[int, QKConfig] = {
-    64: QKConfig(128, 64, 8, 3),
-    128: QKConfig(128, 64, 8, 3),
-    256: QKConfig(64, 64, 8, 2),
+    64: QKConfig(64, 64, 4, 3),
+    128: QKConfig(64, 64, 4, 3),
+    256: QKConfig(128, 64, 8, 3),
 }
 _LOG2E = math.log2(math.e)
 _LN2: tl.constexpr = tl.constexpr(math.log(2.0))
@@ -80,7 +82,8 @@ def config_for(head_dim: int) -> QKConfig:
 
 def fp32_precision() -> str:
     """The dot precision of float32 inputs: what torch's own float32 matmuls may use."""
-    return "tf32" if torch.get_float32_matmul_precision() != "highest" else "tf32x3"
+    allowed = torch.get_float32_matmul_precision()  # syncless: ok a host setting (a str)
+    return "tf32" if allowed != "highest" else "tf32x3"
 
 
 @triton.jit
@@ -126,6 +129,37 @@ def _k_logits(
 
 
 @triton.jit
+def _masked_update(
+    q, k_base, start, m, s_sum, t_sum, row_ok, kpos, K_LEN, WINDOW, skn, skd, d, d_ok, scale2,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    COMPUTE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The running (m, S, T) after the key block at ``start``, some of whose pairs are
+    not allowed (causal diagonal, sliding window edge, past ``K_LEN``, rows past the
+    end)."""
+    n = start + tl.arange(0, BLOCK_N)
+    raw = _k_logits(q, k_base, start, K_LEN, skn, skd, d, d_ok,
+                    PRECISION, COMPUTE, UPCAST, BLOCK_N, True)  # fmt: skip
+    allowed = row_ok[:, None] & (n < K_LEN)[None, :]
+    if CAUSAL:
+        allowed = allowed & (n[None, :] <= kpos[:, None])
+    if HAS_WINDOW:
+        allowed = allowed & (kpos[:, None] - n[None, :] < WINDOW)
+    raw = tl.where(allowed, raw, float("-inf"))
+    m_new = tl.maximum(m, tl.max(raw, axis=1) * scale2)
+    # A row that has seen no allowed key yet keeps m = -inf: shift by 0 instead, so no
+    # -inf - -inf = nan appears; its S and T stay 0.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_ref)
+    shift = tl.where(s_sum > 0, (m - m_ref) * s_sum, 0.0)
+    centred = raw * scale2 - m_ref[:, None]
+    p = tl.exp2(centred)
+    t_sum = alpha * (t_sum + shift) + tl.sum(tl.where(allowed, p * centred, 0.0), axis=1)
+    s_sum = alpha * s_sum + tl.sum(p, axis=1)
+    return m_new, s_sum, t_sum
+
+
+@triton.jit
 def _qk_block(
     q_ptr, k_ptr, cos_ptr, sin_ptr, out_row, rb, b, h,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, scl, scd,
@@ -153,23 +187,30 @@ def _qk_block(
     kpos = qpos + (K_LEN - Q_LEN)
     first_row = rb * BLOCK_M
     last_row = tl.minimum(first_row + BLOCK_M, N_ROWS) - 1
-    # Keys [lo, mid) are allowed for every row of the block (no masks there), [mid, hi)
-    # for some.
+    # Keys [lo, a) and [b, hi) are allowed for some rows of the block (masked), [a, b)
+    # for every row (no masks): the diagonal, a ragged tail and a sliding window's
+    # lower edge are the only masked blocks.
     hi = K_LEN
-    mid = K_LEN
+    b_end = K_LEN
     if CAUSAL:
         hi = tl.minimum(K_LEN, phase + stride * last_row + (K_LEN - Q_LEN) + 1)
         # Up to the first row's own position; at least 0 (more queries than keys), so
         # no block starts at a negative key.
-        mid = tl.maximum(0, tl.minimum(K_LEN, phase + stride * first_row + (K_LEN - Q_LEN) + 1))
-    mid = (mid // BLOCK_N) * BLOCK_N
+        b_end = tl.maximum(0, tl.minimum(K_LEN, phase + stride * first_row + (K_LEN - Q_LEN) + 1))
+    b_end = (b_end // BLOCK_N) * BLOCK_N
     lo = 0
+    a_start = 0
     if HAS_WINDOW:
         lo = tl.maximum(0, phase + stride * first_row + (K_LEN - Q_LEN) - WINDOW + 1)
         lo = (lo // BLOCK_N) * BLOCK_N
-        # Every block masked: only a window wider than about BLOCK_M + BLOCK_N keys
-        # leaves a whole block inside it for every row.
-        mid = lo
+        # The last row's window starts here: keys from it on are inside every row's.
+        a_start = phase + stride * last_row + (K_LEN - Q_LEN) - WINDOW + 1
+        a_start = tl.maximum(lo, tl.cdiv(a_start, BLOCK_N) * BLOCK_N)
+        # A window narrower than about BLOCK_M + BLOCK_N keys leaves no whole block
+        # inside every row's: all of [lo, hi) is masked.
+        some_inside = a_start < b_end
+        a_start = tl.where(some_inside, a_start, lo)
+        b_end = tl.where(some_inside, b_end, lo)
 
     # m is in scaled base-2 units; the scale rides in one multiply-add per logit
     # (raw * scale2 - m), and scale2 > 0 lets the row max be taken before scaling.
@@ -177,7 +218,12 @@ def _qk_block(
     s_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     t_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
-    for start in range(lo, mid, BLOCK_N):
+    for start in range(lo, a_start, BLOCK_N):
+        m, s_sum, t_sum = _masked_update(
+            q, k_base, start, m, s_sum, t_sum, row_ok, kpos, K_LEN, WINDOW, skn, skd, d, d_ok,
+            scale2, CAUSAL, HAS_WINDOW, PRECISION, COMPUTE, UPCAST, BLOCK_N,
+        )  # fmt: skip
+    for start in range(a_start, b_end, BLOCK_N):
         raw = _k_logits(q, k_base, start, K_LEN, skn, skd, d, d_ok,
                         PRECISION, COMPUTE, UPCAST, BLOCK_N, False)  # fmt: skip
         # Every logit is finite, so is m_new; only the first block's m = -inf with
@@ -190,27 +236,11 @@ def _qk_block(
         t_sum = alpha * (t_sum + shift) + tl.sum(p * centred, axis=1)
         s_sum = alpha * s_sum + tl.sum(p, axis=1)
         m = m_new
-    for start in range(mid, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        raw = _k_logits(q, k_base, start, K_LEN, skn, skd, d, d_ok,
-                        PRECISION, COMPUTE, UPCAST, BLOCK_N, True)  # fmt: skip
-        allowed = row_ok[:, None] & (n < K_LEN)[None, :]
-        if CAUSAL:
-            allowed = allowed & (n[None, :] <= kpos[:, None])
-        if HAS_WINDOW:
-            allowed = allowed & (kpos[:, None] - n[None, :] < WINDOW)
-        raw = tl.where(allowed, raw, float("-inf"))
-        m_new = tl.maximum(m, tl.max(raw, axis=1) * scale2)
-        # A row that has seen no allowed key yet keeps m = -inf: shift by 0 instead, so
-        # no -inf - -inf = nan appears; its S and T stay 0.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_ref)
-        shift = tl.where(s_sum > 0, (m - m_ref) * s_sum, 0.0)
-        centred = raw * scale2 - m_ref[:, None]
-        p = tl.exp2(centred)
-        t_sum = alpha * (t_sum + shift) + tl.sum(tl.where(allowed, p * centred, 0.0), axis=1)
-        s_sum = alpha * s_sum + tl.sum(p, axis=1)
-        m = m_new
+    for start in range(b_end, hi, BLOCK_N):
+        m, s_sum, t_sum = _masked_update(
+            q, k_base, start, m, s_sum, t_sum, row_ok, kpos, K_LEN, WINDOW, skn, skd, d, d_ok,
+            scale2, CAUSAL, HAS_WINDOW, PRECISION, COMPUTE, UPCAST, BLOCK_N,
+        )  # fmt: skip
 
     entropy = tl.where(row_ok, tl.log(s_sum) - _LN2 * t_sum / s_sum, 0.0)
     tl.store(out_row + h, tl.max(tl.where(row_ok, m, float("-inf")), axis=0) * _LN2)
@@ -231,7 +261,9 @@ def _qk_stats_kernel(
     COMPUTE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    rb = tl.program_id(0)
+    # Last row blocks first: under a causal mask they see the most keys, and starting
+    # them first leaves the short ones to fill the tail of the launch.
+    rb = N_RB - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -259,7 +291,7 @@ def _qk_stats_grouped_kernel(
     its k at ``offsets[L + layer]`` elements from ``q_ptr`` / ``k_ptr`` (and, with
     ``ROPE``, its cos and sin at ``offsets[2L + layer]`` / ``offsets[3L + layer]``); its
     ``2H + 1`` columns at ``layer * (2H + 1)`` of ``out`` ``[B * N_RB, L * (2H + 1)]``."""
-    rb = tl.program_id(0)
+    rb = N_RB - 1 - tl.program_id(0)  # the longest first (see _qk_stats_kernel)
     bh = tl.program_id(1)
     layer = tl.program_id(2)
     b = bh // H

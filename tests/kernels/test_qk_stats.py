@@ -50,6 +50,9 @@ CASES = [
     pytest.param(77, 100, False, None, 0, 1, torch.float32, id="cross-ragged-tail"),
     pytest.param(300, 300, True, None, 1, 2, torch.float32, id="sampled-stride-2"),
     pytest.param(300, 300, True, 50, 2, 3, torch.float32, id="sampled-window"),
+    # wider than a row block plus a key block: unmasked blocks between the window's
+    # lower edge and the diagonal
+    pytest.param(420, 420, True, 200, 0, 1, torch.float32, id="wide-window"),
 ]
 
 
