@@ -10,9 +10,10 @@ into its group's float64 total with an atomic add. Tensors are found, as in the
 monitors' grouped launches, at int64 element offsets from the first tensor, re-read
 from the tensors' addresses on every call (gradients move between steps).
 
-Three kernels share the table: the sum of squares of the tensors, a copy of them into
-one flat snapshot, and the sum of squares of their difference from that snapshot
-(the update of an optimizer step).
+Two kernels share the table. Before the optimizer step, :func:`group_param_grad_sumsq`
+reads each parameter and its gradient once: both sums of squares and, optionally, the
+flat snapshot of the parameters. After it, :func:`group_diff_sumsq` reads the
+parameters and the snapshot: the sum of squares of the update.
 """
 
 from __future__ import annotations
@@ -40,30 +41,30 @@ def _block(tensor_of_ptr, start_ptr, sizes_ptr, offsets_ptr, pid, i, BLOCK: tl.c
 
 
 @triton.jit
-def _sumsq_kernel(
-    x_ptr, offsets_ptr, sizes_ptr, tensor_of_ptr, start_ptr, group_of_ptr, out_ptr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+def _param_grad_kernel(
+    p_ptr, p_offsets_ptr, g_ptr, g_offsets_ptr, sizes_ptr, tensor_of_ptr, start_ptr,
+    group_of_ptr, prefix_ptr, snap_ptr, out_ptr, n_groups,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, GRADS: tl.constexpr, SNAPSHOT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_p = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK], dtype=tl.float32)
     t = tl.load(tensor_of_ptr + pid)
     for i in range(0, CHUNK, BLOCK):
-        t, _idx, ok, at = _block(tensor_of_ptr, start_ptr, sizes_ptr, offsets_ptr, pid, i, BLOCK)
-        v = tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        acc += v * v
-    tl.atomic_add(out_ptr + tl.load(group_of_ptr + t), tl.sum(acc, axis=0).to(tl.float64))
-
-
-@triton.jit
-def _copy_kernel(
-    x_ptr, offsets_ptr, sizes_ptr, tensor_of_ptr, start_ptr, prefix_ptr, snap_ptr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    for i in range(0, CHUNK, BLOCK):
-        t, idx, ok, at = _block(tensor_of_ptr, start_ptr, sizes_ptr, offsets_ptr, pid, i, BLOCK)
-        v = tl.load(x_ptr + at, mask=ok, other=0.0)
-        tl.store(snap_ptr + tl.load(prefix_ptr + t) + idx, v, mask=ok)
+        t, idx, ok, at = _block(tensor_of_ptr, start_ptr, sizes_ptr, p_offsets_ptr, pid, i, BLOCK)
+        v = tl.load(p_ptr + at, mask=ok, other=0.0)
+        if SNAPSHOT:
+            tl.store(snap_ptr + tl.load(prefix_ptr + t) + idx, v, mask=ok)
+        x = v.to(tl.float32)
+        acc_p += x * x
+        if GRADS:
+            g_at = tl.load(g_offsets_ptr + t) + idx
+            w = tl.load(g_ptr + g_at, mask=ok, other=0.0).to(tl.float32)
+            acc_g += w * w
+    group = tl.load(group_of_ptr + t)
+    tl.atomic_add(out_ptr + group, tl.sum(acc_p, axis=0).to(tl.float64))
+    if GRADS:
+        tl.atomic_add(out_ptr + n_groups + group, tl.sum(acc_g, axis=0).to(tl.float64))
 
 
 @triton.jit
@@ -126,8 +127,8 @@ def element_offsets(tensors: list[torch.Tensor], sizes: list[int]) -> list[int] 
     """Element offsets of ``tensors`` from the first, or ``None`` if one differs from
     what the block table was built for (its element count ``sizes``, the first's dtype),
     is not contiguous, or sits at a fraction of an element. Checked on every call: a
-    parameter swapped for another tensor, or a gradient of another dtype, must not be
-    read through a stale table."""
+    parameter swapped for another tensor, or a gradient of another dtype than the first
+    gradient, must not be read through a stale table."""
     first = tensors[0]
     base, size, dtype = first.data_ptr(), first.element_size(), first.dtype
     out = []
@@ -142,25 +143,40 @@ def element_offsets(tensors: list[torch.Tensor], sizes: list[int]) -> list[int] 
 
 
 @hot_path
-def group_sumsq(first: torch.Tensor, offsets: torch.Tensor, table: BlockTable) -> torch.Tensor:
-    """``[n_groups]`` float64: per group, the sum of squares of its tensors."""
-    out = torch.zeros(table.n_groups, dtype=torch.float64, device=first.device)
-    _sumsq_kernel[(table.tensor_of.numel(),)](
-        first, offsets, table.sizes, table.tensor_of, table.start, table.group_of, out,
-        CHUNK=CHUNK, BLOCK=_BLOCK,
-    )  # fmt: skip
-    return out
+def group_param_grad_sumsq(
+    first_param: torch.Tensor,
+    param_offsets: torch.Tensor,
+    table: BlockTable,
+    first_grad: torch.Tensor | None = None,
+    grad_offsets: torch.Tensor | None = None,
+    snap: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[2, n_groups]`` float64: per group, the sum of squares of its parameters (row 0)
+    and of their gradients (row 1), from one launch that reads each parameter and its
+    gradient once.
 
-
-@hot_path
-def snapshot(first: torch.Tensor, offsets: torch.Tensor, table: BlockTable) -> torch.Tensor:
-    """The tensors' values, flattened one after another into one new tensor."""
-    snap = torch.empty(table.total, dtype=first.dtype, device=first.device)
-    _copy_kernel[(table.tensor_of.numel(),)](
-        first, offsets, table.sizes, table.tensor_of, table.start, table.prefix, snap,
-        CHUNK=CHUNK, BLOCK=_BLOCK,
+    Args:
+        first_param: the first tensor of the table; the others sit ``param_offsets``
+            (int64, from :func:`element_offsets`) elements from it.
+        param_offsets: the parameters' element offsets, on the device.
+        table: the parameters' :class:`BlockTable`.
+        first_grad: the first parameter's gradient, or ``None`` to skip the gradients
+            (row 1 stays zero). Gradients may have another dtype than the parameters.
+        grad_offsets: the gradients' element offsets from ``first_grad``.
+        snap: ``table.total`` elements of the parameters' dtype; when given, the same
+            pass copies the parameters into it, one after another.
+    """
+    grads = first_grad is not None and grad_offsets is not None
+    # A pointer the kernel skips (its flag off) still needs a tensor: the parameters'.
+    if first_grad is None or grad_offsets is None:
+        first_grad, grad_offsets = first_param, param_offsets
+    out = torch.zeros(2 * table.n_groups, dtype=torch.float64, device=first_param.device)
+    _param_grad_kernel[(table.tensor_of.numel(),)](
+        first_param, param_offsets, first_grad, grad_offsets, table.sizes, table.tensor_of,
+        table.start, table.group_of, table.prefix, first_param if snap is None else snap,
+        out, table.n_groups, CHUNK=CHUNK, BLOCK=_BLOCK, GRADS=grads, SNAPSHOT=snap is not None,
     )  # fmt: skip
-    return snap
+    return out.view(2, table.n_groups)
 
 
 @hot_path

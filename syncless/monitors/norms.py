@@ -1,22 +1,21 @@
 """Parameter norm, gradient norm and update/parameter ratio per layer.
 
-No forward hooks: the monitor hooks the optimizer's step. On an active step the
-pre-hook reads every monitored parameter and gradient once with ``_foreach_norm`` (a
-few multi-tensor launches per dtype bucket, not one per tensor), folds the per-tensor
-norms into per-layer sums of squares with one ``index_add_`` and, with
-``update_ratio``, snapshots the parameters (one copy); the post-hook subtracts
-the new values from the copy in place and takes its norms the same way. That is this
-monitor's physical floor (read every parameter and gradient, write and read one copy),
-which is why it defaults to every 10 steps. On CUDA (Triton) the passes are one launch
-per quantity and dtype bucket (syncless.kernels.norms) instead of _foreach_norm's
-chunked launches: 10.08 -> 1.70 ms of host per active step on the H200 (bench/RESULTS.md,
-0fae693 and fda2592).
+No forward hooks: the monitor hooks the optimizer's step. On CUDA (Triton,
+syncless.kernels.norms) an active step is two launches per dtype bucket. The pre-hook
+reads each parameter and its gradient once: both per-layer sums of squares and, with
+``update_ratio``, the flat snapshot of the parameters, written in the same pass. The
+post-hook reads the parameters and the snapshot once: the update's sums of squares.
+Per parameter element, with P bytes per parameter and G per gradient, that is 4P + G
+bytes (P + G without ``update_ratio``): the floor for hooks outside the optimizer, and
+why the monitor defaults to every 10 steps. Elsewhere (CPU, CUDA graph capture, a
+tensor the block table does not fit) ``_foreach_norm``, ``index_add_`` and
+``_foreach_mul`` give the same sums. See docs/monitors/norms.md.
 
 Cross-rank: a replicated (data-parallel) parameter is identical on every rank, a sharded
 one (expert-parallel experts, tensor-parallel or ZeRO shards) is not. Sums of squares of
 replicated parameters are ``max`` metrics (counted once however many ranks hold them),
 those of sharded parameters ``sum`` metrics (each rank adds its shard); the norms are
-derived at flush as the square root of the totals. See docs/monitors/norms.md.
+derived at flush as the square root of the totals.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -74,14 +74,23 @@ def grad_norms(params: list[nn.Parameter], zero: torch.Tensor) -> list[torch.Ten
     return [zero if g is None else next(norms) for g in grads]
 
 
+class _PreStep(NamedTuple):
+    """What the fused pre-step gives one bucket: ``[n_groups]`` float64 sums."""
+
+    params: torch.Tensor
+    grads: torch.Tensor | None  # None: the gradients take the foreach path
+    snapshot: torch.Tensor | None  # the flat copy, with update_ratio
+
+
 class _FusedBucket:
-    """One dtype bucket's tensors through ``syncless.kernels.norms``: a launch per
-    quantity instead of ``_foreach_norm``'s chunked launches. Offsets are re-read from
-    the tensors every active step (a model moved to another device, or gradients
-    reallocated by ``zero_grad(set_to_none=True)``, change them) and uploaded only when
-    they changed. Each method returns ``None`` where the fused path does not apply (a
-    tensor not contiguous, a missing gradient, no free offsets buffer), and the caller
-    takes the foreach path for that bucket.
+    """One dtype bucket's tensors through ``syncless.kernels.norms``: one launch before
+    the step and one after, instead of ``_foreach_norm``'s chunked launches. Offsets are
+    re-read from the tensors every active step (a model moved to another device, or
+    gradients reallocated by ``zero_grad(set_to_none=True)``, change them) and uploaded
+    only when they changed. A method returns ``None`` where the fused path does not
+    apply (a tensor not contiguous or swapped, no free offsets buffer), and the caller
+    takes the foreach path for that bucket. Gradients that do not fit (one missing, or
+    of mixed dtypes) leave the parameters fused and only the gradients to foreach.
     """
 
     def __init__(self, tensors: list[nn.Parameter], groups: list[int], n_groups: int) -> None:
@@ -92,6 +101,7 @@ class _FusedBucket:
         self.table = fused.BlockTable.build(list(tensors), groups, n_groups)
         device = tensors[0].device
         self.sizes = [t.numel() for t in tensors]
+        # 0: the parameters' offsets, 1: the gradients'
         self._rings = (OffsetRing(device, len(tensors)), OffsetRing(device, len(tensors)))
 
     def _offsets(self, tensors: list[torch.Tensor], ring: int) -> torch.Tensor | None:
@@ -99,22 +109,29 @@ class _FusedBucket:
         return None if offsets is None else self._rings[ring].upload(offsets)
 
     @hot_path
-    def sumsq(self, tensors: list[torch.Tensor], ring: int) -> torch.Tensor | None:
-        offsets = self._offsets(tensors, ring)
-        return None if offsets is None else self._fused.group_sumsq(tensors[0], offsets, self.table)
-
-    @hot_path
-    def grad_sumsq(self, params: list[nn.Parameter]) -> torch.Tensor | None:
+    def pre_step(self, params: list[nn.Parameter], snapshot: bool) -> _PreStep | None:
+        """Both sums of squares and, with ``snapshot``, the flat copy: one launch that
+        reads each parameter and its gradient once."""
+        offsets = self._offsets(list(params), 0)
+        if offsets is None:
+            return None
         # ``p.grad is None`` is Python structure, not a tensor value: no sync.
         grads = [p.grad for p in params]
-        if any(g is None for g in grads):
-            return None
-        return self.sumsq(grads, 1)  # type: ignore[arg-type]
-
-    @hot_path
-    def snapshot(self, params: list[nn.Parameter]) -> torch.Tensor | None:
-        offsets = self._offsets(list(params), 0)
-        return None if offsets is None else self._fused.snapshot(params[0], offsets, self.table)
+        present = [g for g in grads if g is not None]
+        grad_offsets = self._offsets(present, 1) if len(present) == len(grads) else None
+        first = params[0]
+        snap = None
+        if snapshot:
+            snap = torch.empty(self.table.total, dtype=first.dtype, device=first.device)
+        sums = self._fused.group_param_grad_sumsq(
+            first,
+            offsets,
+            self.table,
+            first_grad=None if grad_offsets is None else present[0],
+            grad_offsets=grad_offsets,
+            snap=snap,
+        )
+        return _PreStep(sums[0], None if grad_offsets is None else sums[1], snap)
 
     @hot_path
     def diff_sumsq(self, params: list[nn.Parameter], snap: torch.Tensor) -> torch.Tensor | None:
@@ -316,22 +333,23 @@ class NormsMonitor:
             for i, bucket in enumerate(self._buckets):
                 fused = None if capturing else self._fused[i]
                 ids = self._bucket_ids[i]
-                p = fused.sumsq(bucket, 0) if fused is not None else None
-                if p is None:
+                pre = fused.pre_step(bucket, self.update_ratio) if fused is not None else None
+                if pre is None:
                     p = group_sumsq(foreach_norms(bucket), ids, len(self._groups))
-                g = fused.grad_sumsq(bucket) if fused is not None else None
+                    g, snap = None, None
+                    if self.update_ratio:
+                        # x * 1.0 is x exactly (finite or not); the foreach op allocates
+                        # every copy in C++, where an empty_like per parameter is a torch
+                        # call each.
+                        snap = list(torch._foreach_mul(bucket, 1.0))
+                else:
+                    p, g, snap = pre
                 if g is None:
                     g = group_sumsq(grad_norms(bucket, self._zero), ids, len(self._groups))
                 params = p if params is None else params + p
                 grads = g if grads is None else grads + g
-                if self.update_ratio:
-                    snap = fused.snapshot(bucket) if fused is not None else None
-                    # x * 1.0 is x exactly (finite or not); the foreach op allocates
-                    # every copy in C++, where an empty_like per parameter is a torch
-                    # call each.
-                    snapshots.append(
-                        snap if snap is not None else list(torch._foreach_mul(bucket, 1.0))
-                    )
+                if snap is not None:
+                    snapshots.append(snap)
             assert params is not None and grads is not None
             self._record("param", params)
             self._record("grad", grads)

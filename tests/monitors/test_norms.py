@@ -92,23 +92,28 @@ def test_update_norm_survives_a_busy_offsets_buffer(monkeypatch):
         pytest.skip("the fused norms path is the Triton path")
     from syncless.monitors import norms as norms_module
 
-    calls = {"n": 0}
+    state = {"post": False, "refused": 0}
     real = norms_module._FusedBucket._offsets
 
-    def fourth_refused(self, tensors, ring):
-        calls["n"] += 1  # pre-step: params, grads, snapshot; post-step: the 4th
-        return None if calls["n"] == 4 else real(self, tensors, ring)
+    def refused_after_the_step(self, tensors, ring):
+        if state["post"]:
+            state["refused"] += 1
+            return None
+        return real(self, tensors, ring)
 
-    monkeypatch.setattr(norms_module._FusedBucket, "_offsets", fourth_refused)
+    monkeypatch.setattr(norms_module._FusedBucket, "_offsets", refused_after_the_step)
     model = _demo()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     mon, ctx = _monitored(find_layers(model), opt, every=1)
+    # registered after the monitor's pre-hook, so it runs after it
+    opt.register_step_pre_hook(lambda *_: state.update(post=True))
     with no_sync(cpu_as_device=True):
         _backward(model, 0)
     before = [[p.detach().clone() for p in block.parameters()] for block in model.layers]
     with no_sync(cpu_as_device=True):
         opt.step()
-    assert calls["n"] == 4
+    assert state["refused"] == 1
+    assert isinstance(mon._fused[0], norms_module._FusedBucket)
     (readout,) = ctx.metrics.flush(0, wait=True)
     out = mon.derive(readout)
     for i, block in enumerate(model.layers):
@@ -116,6 +121,41 @@ def test_update_norm_survives_a_busy_offsets_buffer(monkeypatch):
         u = sumsq([a - b for a, b in zip(block.parameters(), before[i], strict=True)])
         got = out[f"monitors/layer_{i:02d}/update_ratio"]
         assert got == pytest.approx(math.sqrt(u / p), rel=1e-4)
+
+
+@pytest.mark.parametrize("which", ["all", "one"])
+def test_gradients_in_another_dtype_than_the_parameters(which):
+    """bfloat16 gradients of float32 parameters. All of them: still one fused launch
+    (the kernel reads each pointer in its own dtype). One of them: the gradients' dtypes
+    are mixed, so the gradients take the foreach path and the parameters stay fused.
+    Either way the norms match a naive recount."""
+    model = _demo()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    mon, ctx = _monitored(find_layers(model), opt, every=1)
+    with no_sync(cpu_as_device=True):
+        _backward(model, 0)
+    monitored = [p for block in model.layers for p in block.parameters()]
+    for p in monitored if which == "all" else monitored[1:2]:
+        grad = p.grad.bfloat16()
+        p.grad_dtype = None  # torch refuses a gradient of another dtype otherwise
+        p.grad = grad
+    before = [[p.detach().clone() for p in block.parameters()] for block in model.layers]
+    grads = [[p.grad.clone() for p in block.parameters()] for block in model.layers]
+    with no_sync(cpu_as_device=True):
+        opt.step()
+    (readout,) = ctx.metrics.flush(0, wait=True)
+    out = mon.derive(readout)
+    for i, block in enumerate(model.layers):
+        p, g = sumsq(before[i]), sumsq(grads[i])
+        u = sumsq([a - b for a, b in zip(block.parameters(), before[i], strict=True)])
+        scope = f"monitors/layer_{i:02d}"
+        assert out[f"{scope}/param_norm"] == pytest.approx(math.sqrt(p), rel=1e-5)
+        assert out[f"{scope}/grad_norm"] == pytest.approx(math.sqrt(g), rel=1e-5)
+        assert out[f"{scope}/update_ratio"] == pytest.approx(math.sqrt(u / p), rel=1e-4)
+    (fused,) = mon._fused
+    if fused is not None:  # the Triton backend
+        assert fused._rings[0].uploads >= 1  # the parameters: fused
+        assert (fused._rings[1].uploads >= 1) == (which == "all")
 
 
 def test_a_parameter_swapped_after_attach_is_not_read_through_a_stale_table():
@@ -189,6 +229,9 @@ def test_missing_gradients_and_frozen_parameters():
     assert out["monitors/layer_00/param_norm"] == pytest.approx(math.sqrt(p0), rel=1e-5)
     assert out["monitors/layer_00/grad_norm"] == pytest.approx(math.sqrt(g0), rel=1e-5)
     assert out["monitors/layer_01/param_norm"] == pytest.approx(math.sqrt(p1), rel=1e-5)
+    (fused,) = mon._fused
+    if fused is not None:  # the Triton backend: parameters fused, gradients by foreach
+        assert fused._rings[0].uploads >= 1 and fused._rings[1].uploads == 0
 
 
 def test_close_removes_the_optimizer_hooks():
