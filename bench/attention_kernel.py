@@ -56,6 +56,9 @@ SWEEP = [
     attention.QKConfig(128, 64, 4, 3),
     attention.QKConfig(64, 64, 4, 3),
     attention.QKConfig(64, 128, 4, 3),
+    attention.QKConfig(64, 64, 8, 3),
+    attention.QKConfig(64, 32, 4, 3),
+    attention.QKConfig(128, 32, 8, 2),
 ]
 
 

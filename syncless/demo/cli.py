@@ -51,7 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="record every N steps (default: each monitor's own cadence)",
+        help="record at most every N steps (default: each monitor's own cadence)",
+    )
+    tools.add_argument(
+        "--monitor-budget",
+        type=float,
+        default=0.01,
+        metavar="FRACTION",
+        help="the share of the step the monitors may cost: each monitor's cadence is set "
+        "from its measured cost (default 0.01; 0: fixed cadences)",
     )
     tools.add_argument(
         "--profile",
@@ -121,8 +129,14 @@ def build_tools(args: argparse.Namespace) -> list:
 
         if args.monitor_every is not None and args.monitor_every < 1:
             raise UsageError(f"--monitor-every must be >= 1, got {args.monitor_every}")
+        if not 0 <= args.monitor_budget < 1:
+            raise UsageError(
+                f"--monitor-budget must be a fraction of the step in [0, 1), got "
+                f"{args.monitor_budget} (0.01 is 1%; 0 turns the budget off)"
+            )
         parse_names(args.monitors)  # a clear error before training starts
-        tools.append(MonitorsTool(args.monitors, every=args.monitor_every))
+        budget = args.monitor_budget or None
+        tools.append(MonitorsTool(args.monitors, every=args.monitor_every, budget=budget))
     elif args.monitor_every is not None:
         raise UsageError("--monitor-every needs --monitors")
     if args.profile is not None:

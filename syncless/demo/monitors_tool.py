@@ -10,9 +10,10 @@ from syncless.monitors import MonitorHandle, attach, build
 class MonitorsTool:
     name = "monitors"
 
-    def __init__(self, names: str, every: int | None = None) -> None:
+    def __init__(self, names: str, every: int | None = None, budget: float | None = None) -> None:
         self.names = names
         self.every = every
+        self.budget = budget
         self.handle: MonitorHandle | None = None
 
     def attach(self, ctx: DemoContext) -> None:
@@ -22,7 +23,7 @@ class MonitorsTool:
             every=self.every,
             is_sharded=is_expert_param if ctx.expert_parallel else None,
         )
-        self.handle = attach(ctx.model, monitors, run=ctx.run)
+        self.handle = attach(ctx.model, monitors, run=ctx.run, budget=self.budget)
 
     def step_begin(self, step: int) -> None:
         pass

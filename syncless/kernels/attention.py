@@ -80,10 +80,14 @@ def config_for(head_dim: int) -> QKConfig:
     return CONFIGS[max(CONFIGS)]
 
 
+# torch.get_float32_matmul_precision() -> the dot of float32 inputs: TF32 where torch's
+# own float32 matmuls may use it, else three TF32 passes (float32-accurate).
+_FP32_DOT = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
+
+
 def fp32_precision() -> str:
     """The dot precision of float32 inputs: what torch's own float32 matmuls may use."""
-    allowed = torch.get_float32_matmul_precision()  # syncless: ok a host setting (a str)
-    return "tf32" if allowed != "highest" else "tf32x3"
+    return _FP32_DOT.get(torch.get_float32_matmul_precision(), "tf32x3")
 
 
 @triton.jit

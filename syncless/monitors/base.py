@@ -17,6 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from syncless.metrics import MetricSet, Readout
 from syncless.monitors.adapters import LayerSite, ModelMap
+from syncless.monitors.budget import Budget
 from syncless.monitors.layer_batch import LayerBatch
 
 AREA = "monitors"
@@ -41,22 +42,32 @@ class MonitorContext:
     host_ns: dict[str, int] = field(default_factory=dict)
     # Grouped launches (``launch="grouped"``) the handle completes before each flush.
     batches: list[LayerBatch] = field(default_factory=list)
+    # The overhead budget (``attach(..., budget=)``): which monitors' hooks are timed on
+    # the device this step, and where their timing events go.
+    budget: Budget | None = None
 
     def timed(self, monitor: str, hook: Callable[..., Any]) -> Callable[..., Any]:
         """``hook`` billing its host time to ``monitor`` (two clock reads, ~0.1 us).
 
         The stack reports its own cost (``monitors/self/<name>_hook_host_ms``): on a
-        host-bound step that is what it adds, read without step-time noise.
+        host-bound step that is what it adds, read without step-time noise. On the
+        steps the budget times ``monitor`` (``Budget.timing``), a pair of timing events
+        around the call measures its device work too.
         """
         ledger = self.host_ns
         ledger.setdefault(monitor, 0)
         clock = time.perf_counter_ns
+        ctx = self
 
         def billed(*args: Any, **kwargs: Any) -> Any:
             start = clock()
+            budget = ctx.budget
+            span = budget.begin() if budget is not None and monitor in budget.timing else None
             try:
                 return hook(*args, **kwargs)
             finally:
+                if span is not None:
+                    budget.end(monitor, span)  # type: ignore[union-attr]
                 ledger[monitor] += clock() - start
 
         return billed

@@ -16,6 +16,7 @@ from torch import nn
 from syncless.metrics import Landed, MetricSet, Readout
 from syncless.monitors.adapters import find_layers
 from syncless.monitors.base import AREA, Monitor, MonitorContext
+from syncless.monitors.budget import DEFAULT_BUDGET, Budget
 from syncless.monitors.output_read import fuse_output_reads
 from syncless.run import Run, StepRecord, check_metric_name
 from syncless.run.records import StepRecords
@@ -85,18 +86,32 @@ class MonitorHandle:
         self._go = threading.Event()
         self.readout_errors = 0
         self.readout_host_ns_total = 0  # the readout thread's, when ``background``
+        self.budget = ctx.budget
         self._set_cadence(0)
 
+    @property
+    def cadences(self) -> dict[str, int]:
+        """Every how many steps each monitor runs now (the budget may change them)."""
+        return {m.name: m.every for m in self.monitors}
+
     def _set_cadence(self, step: int) -> None:
+        budget = self.budget
         for m in self.monitors:
+            if budget is not None:
+                m.every = budget.cadence[m.name]
             m.active = step % m.every == 0
+        if budget is not None:
+            budget.arm(m.name for m in self.monitors if m.active)
 
     def step(self, step: int, wait: bool | None = None) -> StepRecords:
         """End of training step ``step``: flush, emit, and arm the next step."""
         start = time.perf_counter()
-        any_active = any(m.active for m in self.monitors)
+        active = [m.name for m in self.monitors if m.active]
+        any_active = bool(active)
         if any_active:
             self._take_hook_time(step)
+        if self.budget is not None:
+            self.budget.step_end(active, self._hook_ns.get(step))
         wait = not self.lagged if wait is None else wait
         if self._executor is None or wait:
             records = self._collect(block=True)  # earlier steps' first: records stay ordered
@@ -124,14 +139,21 @@ class MonitorHandle:
         """Gradient hook (autograd's thread): the readout thread may run now."""
         self._go.set()
 
-    def _own_inputs(self, step: int) -> tuple[dict[str, int] | None, float]:
+    def _own_inputs(
+        self, step: int
+    ) -> tuple[dict[str, int] | None, float, dict[str, float] | None]:
         """What a step's self-cost records need from the training thread: its hooks'
-        ledger and the host time of the last ``step`` call (taken before that thread
-        moves on)."""
-        return self._hook_ns.pop(step, None), self._host_ms
+        ledger, the host time of the last ``step`` call and the budget's state (taken
+        before that thread moves on)."""
+        budget = None if self.budget is None else self.budget.records(AREA)
+        return self._hook_ns.pop(step, None), self._host_ms, budget
 
     def _read_landed(
-        self, landed: Landed, hooks: dict[str, int] | None, host_ms: float
+        self,
+        landed: Landed,
+        hooks: dict[str, int] | None,
+        host_ms: float,
+        budget: dict[str, float] | None,
     ) -> tuple[Readout, StepRecords]:
         """The readout thread's job: decode, derive, records."""
         # Bounded: a handle never closed must not keep the interpreter from exiting
@@ -140,7 +162,7 @@ class MonitorHandle:
         self._go.clear()
         start = time.perf_counter_ns()
         readout = self.metrics.decode(landed)
-        records = self._readout_records(readout, hooks, host_ms, start)
+        records = self._readout_records(readout, hooks, host_ms, budget, start)
         self.readout_host_ns_total += time.perf_counter_ns() - start
         return readout, records
 
@@ -187,6 +209,7 @@ class MonitorHandle:
         r: Readout,
         hooks: dict[str, int] | None,
         host_ms: float,
+        budget: dict[str, float] | None,
         readout_start_ns: int | None = None,
     ) -> StepRecords:
         records = StepRecords()
@@ -210,6 +233,8 @@ class MonitorHandle:
             for monitor, ns in hooks.items():
                 own[f"{AREA}/self/{monitor}_hook_host_ms"] = ns / 1e6
             own[f"{AREA}/self/hook_host_ms"] = sum(hooks.values()) / 1e6
+        if budget:
+            own.update(budget)
         if readout_start_ns is not None:
             own[f"{AREA}/self/readout_host_ms"] = (time.perf_counter_ns() - readout_start_ns) / 1e6
         records.add(name, r.step, rank, own.keys(), own.values(), now)
@@ -252,6 +277,8 @@ class MonitorHandle:
         self.ctx.handles.clear()
         for m in self.monitors:
             m.close()
+        if self.budget is not None and self.emit:
+            print(self.budget.summary(), file=sys.stderr)
         return records
 
 
@@ -266,6 +293,7 @@ def attach(
     layer_offsets: Sequence[int] | None = None,
     strict: bool = False,
     background: bool | None = None,
+    budget: float | None = DEFAULT_BUDGET,
 ) -> MonitorHandle:
     """Declare every monitor on every model chunk, allocate once, then attach hooks.
 
@@ -280,6 +308,12 @@ def attach(
     metrics live on a CUDA device and ``lagged``) decodes and derives each readout on a
     readout thread (see ``MonitorHandle``); on a CPU the step's records come back from
     the ``step`` call that reads them, which is what tests and scripts expect.
+
+    ``budget`` (default 0.01): the fraction of the step the stack may cost. Each
+    monitor's host and device cost per active step is measured (lagged, no sync) and
+    its cadence lengthened until the stack fits (a monitor's ``every`` is the fastest it
+    runs); the cadences, costs and shares are recorded as ``monitors/self/*`` and
+    printed at ``close()`` (syncless.monitors.budget). ``None``: fixed cadences.
     """
     if not monitors:
         raise ValueError("attach() needs at least one monitor")
@@ -291,6 +325,8 @@ def attach(
         first = model[0] if isinstance(model, Sequence) else model
         device = next(first.parameters()).device
     ctx = MonitorContext(model_map, MetricSet(group))
+    if budget is not None:
+        ctx.budget = Budget(budget, {m.name: m.every for m in monitors}, device)
     for m in monitors:
         m.prepare(ctx)
     ctx.metrics.allocate(device)

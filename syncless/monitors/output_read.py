@@ -74,15 +74,14 @@ def fuse_output_reads(ctx: MonitorContext, monitors: Sequence[Monitor]) -> Layer
             handle.remove()
             ctx.handles.remove(handle)
         hook = _shared_hook(
-            ctx.host_ns, acts, nonf, acts.output_records[site.index],
-            nonf.output_records[site.index],
-        )  # fmt: skip
+            ctx, acts, nonf, acts.output_records[site.index], nonf.output_records[site.index]
+        )
         ctx.handles += site.attach_output(hook)
     return shared
 
 
 def _shared_hook(
-    ledger: dict[str, int],
+    ctx: MonitorContext,
     acts: ActivationsMonitor,
     nonf: NonFiniteMonitor,
     acts_record: Callable[[torch.Tensor], bool | None],
@@ -92,14 +91,21 @@ def _shared_hook(
     for both when both are active and it takes the shared read; otherwise each
     monitor's own callback runs."""
     clock = time.perf_counter_ns
+    ledger = ctx.host_ns
 
     def record(hidden: torch.Tensor) -> None:
         a, n = acts.active, nonf.active
         if not (a or n):
             return
         start = clock()
+        budget = ctx.budget
+        timed = budget is not None and (acts.name in budget.timing or nonf.name in budget.timing)
+        span = budget.begin() if timed else None  # type: ignore[union-attr]
         if not (a and acts_record(hidden)) and n:
             nonf_record(hidden)
+        if span is not None:  # the shared read's device time, half each when both ran
+            for m in [acts.name] * a + [nonf.name] * n:
+                budget.end(m, span, weight=1.0 / (a + n))  # type: ignore[union-attr]
         ns = clock() - start
         if a and n:
             ledger[acts.name] += ns // 2

@@ -8,7 +8,7 @@ def test_all_monitors_on_the_demo_add_no_sync_and_land_in_the_store(tmp_path, ca
     demo's code). A monitor hook that synced would add to that count."""
     run_dir = tmp_path / "run"
     argv = ["demo", "--steps", "6", "--n-layers", "3", "--monitors", "all", "--sync-census",
-            "4", "--run-dir", str(run_dir)]  # fmt: skip
+            "4", "--monitor-budget", "0", "--run-dir", str(run_dir)]  # fmt: skip
     assert main(argv) == 0
     assert "sync census: 16 syncs in 4 step(s)" in capsys.readouterr().err
 
@@ -32,6 +32,26 @@ def test_all_monitors_on_the_demo_add_no_sync_and_land_in_the_store(tmp_path, ca
         ("monitors/step/nonfinite_alert_count", 6),
     ]
     assert sites == []
+
+
+def test_the_budget_sets_the_cadences_and_says_so(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    argv = ["demo", "--steps", "5", "--n-layers", "2", "--monitors", "attention,norms",
+            "--run-dir", str(run_dir)]  # fmt: skip
+    assert main(argv) == 0
+    assert "syncless monitors: budget 1.0% of a" in capsys.readouterr().err
+    with open_run(run_dir) as store:
+        _, rows = store.query(
+            "SELECT name, min(value) FROM metrics WHERE name IN ("
+            "'monitors/self/attention_every_steps', 'monitors/self/norms_every_steps', "
+            "'monitors/self/budget_frac') GROUP BY name ORDER BY name"
+        )
+    cadence = dict(rows)
+    assert cadence["monitors/self/budget_frac"] == 0.01
+    # never faster than each monitor's own cadence (attention 1, norms 10)
+    assert cadence["monitors/self/attention_every_steps"] >= 1
+    assert cadence["monitors/self/norms_every_steps"] >= 10
+    assert main(["demo", "--monitors", "all", "--monitor-budget", "2"]) == 2
 
 
 def test_unknown_monitor_name(capsys):

@@ -145,7 +145,7 @@ def test_shared_output_read_matches_naive_recounts_and_keeps_each_cadence(kernel
 def test_cadence_inactive_steps_record_nothing_and_close_removes_hooks():
     model = _model()
     mon = ActivationsMonitor(every=2)
-    handle = attach(model, [mon], lagged=False)
+    handle = attach(model, [mon], lagged=False, budget=None)  # every=2 exactly
     hooks_before = sum(len(m._forward_hooks) for m in model.modules())
     assert hooks_before == len(model.layers)
     tokens = torch.randint(0, 256, (2, 8))

@@ -42,7 +42,7 @@ def test_every_steps_values_arrive_in_order_from_the_readout_thread():
         for block in model.layers
     ]
     monitor = _ThreadNoting()
-    handle = attach(model, [monitor], background=True)
+    handle = attach(model, [monitor], background=True, budget=None)
     records = []
     for step in range(STEPS):
         reference.append([])
@@ -81,7 +81,7 @@ def test_a_failing_readout_is_counted_not_raised_unless_strict(capsys):
     def broken(landed):
         raise ZeroDivisionError("a bug in decode")
 
-    handle = attach(model, [ActivationsMonitor()], background=True)
+    handle = attach(model, [ActivationsMonitor()], background=True, budget=None)
     handle.metrics.decode = broken  # type: ignore[method-assign]
     for step in range(3):
         with no_sync(cpu_as_device=True), torch.no_grad():
@@ -94,7 +94,7 @@ def test_a_failing_readout_is_counted_not_raised_unless_strict(capsys):
     handle.close()
     assert "monitor readout failed" in capsys.readouterr().err
 
-    strict = attach(model, [ActivationsMonitor()], background=True, strict=True)
+    strict = attach(model, [ActivationsMonitor()], background=True, strict=True, budget=None)
     strict.metrics.decode = broken  # type: ignore[method-assign]
     with pytest.raises(ZeroDivisionError):
         for step in range(3):
@@ -108,7 +108,7 @@ def test_a_failing_readout_is_counted_not_raised_unless_strict(capsys):
 
 def test_background_defaults_to_cuda_only():
     model = _model()
-    handle = attach(model, [ActivationsMonitor()])
+    handle = attach(model, [ActivationsMonitor()], budget=None)
     assert handle._executor is None  # CPU: records come back from the step that reads them
     handle.close()
 
@@ -118,7 +118,7 @@ def test_the_readout_waits_for_the_next_backward():
     autograd's then), not during the next forward."""
     model = _model()
     monitor = _ThreadNoting()
-    handle = attach(model, [monitor], background=True)
+    handle = attach(model, [monitor], background=True, budget=None)
     tokens = torch.randint(0, 256, (2, 16))
 
     def train_step():
@@ -153,7 +153,7 @@ def test_a_handle_never_closed_does_not_hang_the_exit(tmp_path):
         "from syncless.monitors import attach\n"
         "from syncless.monitors.activations import ActivationsMonitor\n"
         "model = MoETransformer(preset('tiny'))\n"
-        "handle = attach(model, [ActivationsMonitor()], background=True)\n"
+        "handle = attach(model, [ActivationsMonitor()], background=True, budget=None)\n"
         "for step in range(3):\n"
         "    with torch.no_grad():\n"
         "        model(torch.randint(0, 256, (2, 8)))\n"
@@ -169,7 +169,7 @@ def test_each_steps_own_cost_rides_with_that_steps_values():
     """The hook ledger taken at step s's flush goes with step s's readout (which the
     readout thread gets one flush later), not with the step being flushed then."""
     model = _model()
-    handle = attach(model, [ActivationsMonitor()], background=True)
+    handle = attach(model, [ActivationsMonitor()], background=True, budget=None)
     tokens = torch.randint(0, 256, (2, 8))
     records = []
     for step in range(4):

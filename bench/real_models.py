@@ -1,0 +1,406 @@
+"""Step-time overhead of syncless on GPU-bound training steps of real model shapes.
+
+The demo's train step (bench/train_step.py) is host-bound: the device idles between
+its kernels, so device work a monitor adds can hide there. Real shapes keep the device
+busy, which makes these numbers the primary evidence for overhead claims. Each model
+is a Hugging Face model built from its config (random weights, sdpa attention, bf16
+autocast over float32 parameters, fused AdamW, grad clipping, one loss read per step).
+
+Measured per model, in one process: the monitor stack with its overhead budget, each
+monitor alone at every step, the section profiler, and a naive-hook baseline
+(bench/naive_monitors.py), against ``off``. Modes run in segments, interleaved A/B: in
+each round every mode runs one segment, in an order rotated by the round. A mode's
+overhead in a round is its mean step time over the ``off`` segment's of that round;
+the table gives the median over rounds and their spread. Shapes and the training
+step: bench/hf_models.py.
+
+    python bench/real_models.py                     # all models, on one H200
+    python bench/real_models.py --tiny --no-append  # a CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import inspect
+import json
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from hf_models import (
+    H200_BF16_PEAK,
+    ModelSpec,
+    Workload,
+    build_workload,
+    count_syncs,
+    free_memory,
+    matmul_rate,
+    model_specs,
+    params_text,
+    tiny,
+    train_step,
+)
+from naive_monitors import NaiveMonitors  # bench/ is on sys.path as a script
+from results import append_result
+
+from syncless.monitors import MONITORS, attach, build
+from syncless.monitors.adapters import find_layers
+from syncless.profile import OFF, Profiler
+
+HAS_BUDGET = "budget" in inspect.signature(attach).parameters
+
+
+@dataclass
+class Segment:
+    """What one mode attached for one segment, and where it runs in each step."""
+
+    context: Callable[[int], AbstractContextManager] = lambda step: nullcontext()
+    prof: Any = OFF
+    flush: Callable[[int], None] | None = None
+    """After the optimizer step, before the loss read."""
+    after_read: Callable[[int], None] | None = None
+    close: Callable[[], None] = lambda: None
+
+
+@dataclass
+class ModelState:
+    """Per model: what the modes keep between their segments, and what they saw."""
+
+    work: Workload
+    budget: float
+    step: int = 0
+    stack: Any = None
+    """The stack's handle, kept across segments when it can pause."""
+    profiler: Any = None
+    self_records: dict[str, list[float]] = field(default_factory=dict)
+    cadences: dict[str, int] | None = None
+    layer_row: str = ""
+
+
+def attach_kwargs(budget: float | None) -> dict[str, float | None]:
+    """``budget=`` only where this syncless's attach takes it."""
+    return {"budget": budget} if HAS_BUDGET else {}
+
+
+def stack_flush(handle: Any, state: ModelState, step: int) -> None:
+    handle.step(step)
+    for record in handle.last_records:
+        if record.name.startswith("monitors/self/"):
+            state.self_records.setdefault(record.name, []).append(record.value)
+    cadences = getattr(handle, "cadences", None)
+    if cadences:
+        state.cadences = dict(cadences)  # a copy: the controller may change it in place
+
+
+def open_stack(state: ModelState) -> Segment:
+    work = state.work
+    handle = state.stack
+    if handle is not None:
+        handle.resume()
+    else:
+        monitors = build(list(MONITORS), optimizer=work.optimizer)
+        handle = attach(work.model, monitors, **attach_kwargs(state.budget))
+        if hasattr(handle, "pause") and hasattr(handle, "resume"):
+            state.stack = handle  # one budget controller for all rounds
+    close = handle.pause if state.stack is handle else handle.close
+    return Segment(flush=partial(stack_flush, handle, state), close=close)
+
+
+def open_profile(state: ModelState) -> Segment:
+    if state.profiler is None:  # one profiler per model: its reports span segments
+        state.profiler = Profiler(mode="events", report_every=10)
+    prof = state.profiler
+    hooks = [h for layer in state.work.layers for h in prof.hook_module(layer, "layer")]
+
+    def report(step: int) -> None:
+        rep = prof.report(step)
+        if rep is not None:
+            row = rep.row("layer")
+            state.layer_row = f"{row.ms_per_step:.1f} ms/step ({row.pct_of_step:.0f}%)"
+
+    def close() -> None:
+        for h in hooks:
+            h.remove()
+
+    return Segment(context=prof.step, prof=prof, after_read=report, close=close)
+
+
+def open_segment(mode: str, state: ModelState) -> Segment:
+    work = state.work
+    if mode == "off":
+        return Segment()
+    if mode == "stack":
+        return open_stack(state)
+    if mode == "profile":
+        return open_profile(state)
+    if mode == "naive":
+        naive = NaiveMonitors(find_layers(work.model))
+        return Segment(flush=lambda step: naive.norms(work.model), close=naive.close)
+    monitors = build([mode], optimizer=work.optimizer, every=1)
+    handle = attach(work.model, monitors, **attach_kwargs(None))
+    return Segment(flush=handle.step, close=handle.close)
+
+
+def run_segment(mode: str, state: ModelState, warmup: int, steps: int) -> list[float]:
+    """Wall seconds of each timed step of one segment of ``mode``."""
+    segment = open_segment(mode, state)
+    times = []
+    try:
+        for i in range(warmup + steps):
+            step = state.step
+            state.step += 1
+            flush = None if segment.flush is None else partial(segment.flush, step)
+            start = time.perf_counter()
+            with segment.context(step):
+                train_step(state.work, segment.prof, flush)
+            if segment.after_read is not None:  # the profiler's report: part of its cost
+                segment.after_read(step)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+    finally:
+        segment.close()
+    return times
+
+
+def modes_for(spec: ModelSpec, wanted: list[str]) -> list[str]:
+    monitors = [m for m in MONITORS if m != "moe" or spec.experts]
+    applicable = ["off", "stack", *monitors, "profile", "naive"]
+    return [m for m in applicable if m in wanted]
+
+
+def round_overheads(rounds: list[dict[str, list[float]]], mode: str) -> list[float]:
+    """Per round: mean step of ``mode`` over the mean ``off`` step of that round, - 1."""
+    out = []
+    for times in rounds:
+        if times.get(mode) and times.get("off"):
+            out.append(statistics.fmean(times[mode]) / statistics.fmean(times["off"]) - 1)
+    return out
+
+
+def measure(state: ModelState, modes: list[str], args: argparse.Namespace, deadline: float):
+    """The interleaved rounds; stops before a round that would end past ``deadline``."""
+    rounds: list[dict[str, list[float]]] = []
+    failed: dict[str, str] = {}
+    last_round_s = 0.0
+    for r in range(args.rounds):
+        if rounds and time.perf_counter() + last_round_s > deadline:
+            print(f"  time is up after {len(rounds)} round(s)")
+            break
+        start = time.perf_counter()
+        times: dict[str, list[float]] = {}
+        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+            if mode in failed:
+                continue
+            steps = args.stack_seg if mode == "stack" else args.seg
+            warmup = args.stack_warmup if mode == "stack" else args.warmup
+            try:
+                times[mode] = run_segment(mode, state, warmup, steps)
+            except Exception as e:  # one mode failing (OOM) must not end the model
+                traceback.print_exc()
+                failed[mode] = type(e).__name__
+            if mode in failed:  # out of the except block: its frames hold device memory
+                state.work.optimizer.zero_grad(set_to_none=True)
+                free_memory()
+        rounds.append(times)
+        last_round_s = time.perf_counter() - start
+        line = ", ".join(
+            f"{m} {o * 100:+.2f}%" for m in modes if m != "off" for o in round_overheads([times], m)
+        )
+        print(f"  round {r}: {last_round_s:.0f} s; {line}")
+    if state.stack is not None:
+        state.stack.close()
+    return rounds, failed
+
+
+def stack_label(budget: float) -> str:
+    return f"stack (budget {budget:g})" if HAS_BUDGET else "stack (no budget: attach lacks it)"
+
+
+def throughput(work: Workload, off_s: float, matmul: float | None) -> str:
+    """Off step time, tokens/s and, on CUDA, MFU (hf_models.step_flops)."""
+    spec = work.spec
+    text = f"off {off_s * 1e3:.1f} ms/step, {spec.batch * spec.seq_len / off_s / 1e3:.1f}k tokens/s"
+    if work.device.type == "cuda":
+        text += f", MFU {work.flops / off_s / H200_BF16_PEAK * 100:.1f}% of 989 TFLOP/s"
+        if matmul:
+            text += f" ({work.flops / off_s / matmul * 100:.1f}% of the measured matmul rate)"
+    return text
+
+
+def summarize(state: ModelState, modes: list[str], off_steps: list[float], rounds, failed, matmul):
+    """Print the model's table; return its summary (also the RESULTS.md line)."""
+    work, spec = state.work, state.work.spec
+    off_s = statistics.median(off_steps)
+    workload = (
+        f"{spec.name} ({spec.layers} layers, B {spec.batch} x L {spec.seq_len}, "
+        f"{params_text(work.n_params)} params, experts {work.experts}): "
+        + throughput(work, off_s, matmul)
+    )
+    print(workload)
+    rows = {}
+    print(f"  {'mode':<40}{'median':>9}{'min..max':>20}{'rounds':>8}")
+    for mode in (m for m in modes if m != "off"):
+        est = round_overheads(rounds, mode)
+        if not est:
+            continue
+        label = stack_label(state.budget) if mode == "stack" else mode
+        med, lo, hi = statistics.median(est), min(est), max(est)
+        rows[label] = f"{med * 100:+.2f}% [{lo * 100:+.2f}..{hi * 100:+.2f}] ({len(est)})"
+        print(f"  {label:<40}{med * 100:>+8.2f}%{lo * 100:>+10.2f}..{hi * 100:+.2f}%{len(est):>8}")
+    for mode, error in failed.items():
+        label = stack_label(state.budget) if mode == "stack" else mode
+        rows[label] = " ".join(filter(None, [rows.get(label), f"failed ({error})"]))
+        print(f"  {label:<40}failed: {error}")
+    notes = []
+    if "stack" in modes:
+        notes.append("stack: one handle, paused between segments" if state.stack is not None
+                     else "stack: attached anew each segment (no pause/resume)")  # fmt: skip
+    if state.cadences:
+        every = ", ".join(f"{k} {v}" for k, v in state.cadences.items())
+        notes.append(f"stack cadences at the end: every {every}")
+    if state.self_records:
+        own = ", ".join(f"{k.removeprefix('monitors/self/')} {statistics.fmean(v):.2f}"
+                        for k, v in state.self_records.items())  # fmt: skip
+        notes.append(f"stack self-billed (mean per flushed step) {own}")
+    if state.layer_row:
+        notes.append(f"profiler's layer row {state.layer_row}")
+    for note in notes:
+        print("  " + note)
+    return {"workload": workload, "rows": rows, "notes": notes, "off_ms": off_s * 1e3}
+
+
+def run_model(spec: ModelSpec, args: argparse.Namespace, device, deadline: float, matmul):
+    """Build, warm up, measure and report one model; returns its JSON entry."""
+    work = build_workload(spec, device)
+    print(f"\n{spec.name}: built in {work.build_s:.1f} s, experts {work.experts}")
+    for _ in range(3):  # allocate, pick kernels: nothing attached
+        train_step(work)
+    state = ModelState(work=work, budget=args.budget)
+    initial = run_segment("off", state, warmup=0, steps=3)
+    if device.type == "cuda":
+        print(f"  syncs in an off step: {count_syncs(work)} (1 expected: the loss read)")
+    print(f"  before the rounds: {throughput(work, statistics.median(initial), matmul)}")
+    modes = modes_for(spec, args.modes)
+    gc.collect()
+    gc.freeze()  # the model's objects leave the collector's generations
+    try:
+        rounds, failed = measure(state, modes, args, deadline)
+    finally:
+        gc.unfreeze()
+    off_steps = initial + [t for times in rounds for t in times.get("off", [])]
+    summary = summarize(state, modes, off_steps, rounds, failed, matmul)
+    return {
+        "spec": dataclasses.asdict(spec),
+        "params": work.n_params,
+        "matmul_params": work.n_matmul,
+        "flops_per_step": work.flops,
+        "initial_off_s": initial,
+        "rounds": rounds,
+        "overheads": {m: round_overheads(rounds, m) for m in modes if m != "off"},
+        "self_records": state.self_records,
+        **summary,
+    }
+
+
+def parse_args() -> argparse.Namespace:
+    names = list(model_specs())
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(names), help=f"comma list of {names}")
+    default_modes = ["off", "stack", *MONITORS, "profile", "naive"]
+    parser.add_argument("--modes", default=",".join(default_modes), help="comma list")
+    parser.add_argument("--layers8b", type=int, default=6, help="layers of llama3-8b-layers")
+    parser.add_argument("--rounds", type=int, help="default 4 (--tiny: 2)")
+    parser.add_argument("--seg", type=int, help="timed steps per segment; default 6 (--tiny: 3)")
+    parser.add_argument(
+        "--stack-seg", type=int,
+        help="timed steps per stack segment, default 20 (--tiny: 6): its cadences go up to "
+        "every 10 steps and a budget controller adapts them",
+    )  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per segment")
+    parser.add_argument(
+        "--stack-warmup", type=int, default=10,
+        help="untimed steps per stack segment: the budget measures each monitor on its "
+        "first active steps and sets the cadences; a month-long run lives in that state",
+    )  # fmt: skip
+    parser.add_argument("--budget", type=float, default=0.01, help="the stack's budget")
+    parser.add_argument("--tiny", action="store_true", help="tiny configs on the CPU")
+    parser.add_argument("--max-seconds", type=float, default=540.0)
+    parser.add_argument("--json", help="write raw step times and estimates here")
+    parser.add_argument("--no-append", action="store_true", help="skip bench/RESULTS.md")
+    args = parser.parse_args()
+    defaults = {"rounds": 2, "seg": 3, "stack_seg": 6} if args.tiny else {
+        "rounds": 4, "seg": 6, "stack_seg": 20
+    }  # fmt: skip
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.models = args.models.split(",")
+    args.modes = args.modes.split(",")
+    if "off" not in args.modes or set(args.modes) - set(default_modes):
+        parser.error(f"--modes: a comma list of {default_modes}, with off (the reference)")
+    return args
+
+
+def main() -> None:
+    start = time.perf_counter()
+    args = parse_args()
+    specs = model_specs(args.layers8b)
+    unknown = [m for m in args.models if m not in specs]
+    if unknown:
+        raise SystemExit(f"unknown model(s) {unknown}; choose from {list(specs)}")
+    use_cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if use_cuda else "cpu")
+    matmul = matmul_rate() if use_cuda else None
+    if matmul:
+        print(f"bf16 8192^3 matmul: {matmul / 1e12:.0f} TFLOP/s ({matmul / H200_BF16_PEAK:.0%} "
+              "of the datasheet)")  # fmt: skip
+    print(f"{device.type}, {stack_label(args.budget)}, seg {args.seg} / stack {args.stack_seg}"
+          f" timed + {args.warmup} warm-up steps, {args.rounds} rounds")  # fmt: skip
+    results: dict[str, Any] = {}
+    cheapest_round_s = 0.0  # a model's build and first round cost at least this
+    for i, name in enumerate(args.models):
+        elapsed = time.perf_counter() - start
+        if elapsed + cheapest_round_s > args.max_seconds:
+            print(f"\n{name}: skipped, {elapsed:.0f} s elapsed")
+            continue
+        # An equal share of the time left, so one slow model cannot starve the rest.
+        deadline = start + elapsed + (args.max_seconds - elapsed) / (len(args.models) - i)
+        spec = tiny(specs[name]) if args.tiny else specs[name]
+        try:
+            results[name] = entry = run_model(spec, args, device, deadline, matmul)
+            per_round = (time.perf_counter() - start - elapsed) / max(1, len(entry["rounds"]))
+            cheapest_round_s = min(cheapest_round_s or per_round, per_round)
+        except Exception:  # the next model still runs
+            traceback.print_exc()
+        free_memory()
+    if args.json:
+        meta = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "matmul_flops": matmul, "args": vars(args)}  # fmt: skip
+        Path(args.json).write_text(json.dumps({"meta": meta, "models": results}, indent=1))
+    if args.no_append:
+        return
+    precision = "bf16 autocast over fp32" if use_cuda else "fp32"
+    for entry in results.values():
+        rows = "; ".join(f"{k} {v}" for k, v in entry["rows"].items())
+        append_result(
+            "real_models",
+            f"{entry['workload']}; transformers {transformers.__version__}, {precision}, "
+            f"sdpa, AdamW, clip 1.0; overhead per mode, "
+            f"median [min..max] (rounds) of per-round mean step over the off segment's, "
+            f"segments {args.seg} steps (stack {args.stack_seg}): {rows}"
+            + "".join(f"; {n}" for n in entry["notes"]),
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The stack's overhead budget: each monitor's measured cost, and cadences that fit it.
+
+Default cadences used to be guesses (attention every step, norms every 10). A monitor's
+cost depends on the model: exact attention statistics are about 1% of a GPU-bound
+Llama step per active step, and more at 32k tokens; norms read every parameter. So the
+handle measures what each monitor costs per active step and chooses each cadence so
+that the stack stays under ``budget`` (a fraction of the step, default 1%):
+
+* **host**: the monitor's hooks' host time (the ledger ``MonitorContext.timed`` keeps);
+* **device**: on CUDA, on *timed* active steps, a pair of timing events around each of
+  the monitor's hook calls, read when the GPU has passed them (``Event.query``, never a
+  sync). Held-only hook calls give empty pairs; the pairs' own time (calibrated once at
+  attach) is subtracted. The first ``TIMED_FIRST`` active steps of a monitor are timed,
+  then one in ``TIMED_EVERY``: a timing record adds ~2 us of device time
+  (bench/RESULTS.md, event_device_cost), 32 of them on a 16-layer model's hooks.
+* **cost per active step** = max(host, device), smoothed: a GPU-bound step hides the
+  host's work behind the device's and a host-bound one the device's behind the host's,
+  so the larger is what a step pays; their sum would count the hidden one too.
+* **step time**: the host's wall time between ``handle.step`` calls (the training loop's
+  period, device-paced when the step is GPU-bound).
+
+Cadences (:func:`plan`): a monitor's ``every`` is the fastest it may run; the budget is
+shared out by water-filling: each monitor gets an equal share, those that need less at
+their fastest cadence keep it and leave the rest to the others, and each other monitor
+runs every ``ceil(cost / share)`` steps (at most ``MAX_EVERY``). Not billed: the folds a
+grouped launch defers to the flush (a few small launches per monitor and step) and the
+flush's own host time (``monitors/self/flush_host_ms``, reported beside).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+DEFAULT_BUDGET = 0.01
+MAX_EVERY = 1000
+TIMED_FIRST = 3  # active steps timed before sampling
+TIMED_EVERY = 4  # then one timed active step in this many
+_SMOOTHING = 0.3  # weight of a new measurement in the running cost
+_PENDING_STEPS = 8  # timed steps waiting for the GPU before the oldest is dropped
+
+
+def plan(
+    costs: dict[str, float], fastest: dict[str, int], budget: float, max_every: int = MAX_EVERY
+) -> dict[str, int]:
+    """Cadence per monitor so that ``Σ costs[m] / every[m] <= budget`` (water-filling).
+
+    ``costs``: fraction of a step one active step of the monitor costs (monitors
+    without a measurement yet keep their fastest cadence and take no share);
+    ``fastest``: the smallest ``every`` each may have.
+    """
+    out = dict(fastest)
+    measured = sorted(costs, key=lambda m: costs[m] / fastest[m])
+    left = budget
+    for i, name in enumerate(measured):
+        share = left / (len(measured) - i)
+        need = costs[name] / fastest[name]
+        if need <= share * (1 + 1e-9):
+            every = fastest[name]
+        else:
+            # 1e-9: 0.1 / 0.01 is 10.000000000000002 in floating point, and means 10
+            steps = math.ceil(costs[name] / max(share, 1e-12) - 1e-9)
+            every = min(max_every, max(fastest[name], steps))
+        out[name] = every
+        left = max(0.0, left - costs[name] / every)
+    return out
+
+
+class Budget:
+    """Measures each monitor's cost and sets cadences (see the module doc)."""
+
+    clock = staticmethod(time.perf_counter)  # seconds; tests give a fake one
+
+    def __init__(
+        self, fraction: float, fastest: dict[str, int], device: torch.device | str
+    ) -> None:
+        if not 0 < fraction < 1:
+            raise ValueError(
+                f"budget must be a fraction of the step in (0, 1), e.g. 0.01 for 1%, got "
+                f"{fraction}; pass budget=None for fixed cadences"
+            )
+        self.fraction = fraction
+        self.fastest = dict(fastest)
+        self.cadence = dict(fastest)
+        self.cost_ms: dict[str, float] = {}  # smoothed, per active step
+        self.device_ms: dict[str, float] = {}  # the last timed step's device time
+        self.step_ms: float | None = None
+        self.timing: frozenset[str] = frozenset()  # monitors timed in the current step
+        self.dropped_steps = 0  # timed steps the GPU had not passed after _PENDING_STEPS
+        self._cuda = torch.device(device).type == "cuda"
+        self._active_steps = dict.fromkeys(fastest, 0)
+        self._spans: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event, float]]] = {}
+        self._pending: deque[tuple[dict[str, list], dict[str, float]]] = deque()
+        self._free: list[torch.cuda.Event] = []
+        self._last_step_end: float | None = None
+        self.pair_ms = self._calibrate() if self._cuda else 0.0
+
+    # -- hot path: around each hook call of a timed monitor -------------------------
+
+    def begin(self) -> torch.cuda.Event:
+        start = self._event()
+        start.record()
+        return start
+
+    def end(self, monitor: str, start: torch.cuda.Event, weight: float = 1.0) -> None:
+        """Close the span ``begin`` opened; ``weight``: the share billed to ``monitor``
+        (a read shared by two monitors bills each half of one span)."""
+        stop = self._event()
+        stop.record()
+        self._spans.setdefault(monitor, []).append((start, stop, weight))
+
+    def _event(self) -> torch.cuda.Event:
+        return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+
+    # -- cold path: once per step ------------------------------------------------------
+
+    def step_end(self, active: Iterable[str], host_ns: dict[str, int] | None) -> None:
+        """The step just flushed: ``active`` monitors ran, their hooks took ``host_ns``."""
+        now = self.clock()
+        if self._last_step_end is not None:
+            period = (now - self._last_step_end) * 1e3
+            self.step_ms = period if self.step_ms is None else _smooth(self.step_ms, period)
+        self._last_step_end = now
+        host = {m: (host_ns or {}).get(m, 0) / 1e6 for m in active}
+        for m in active:
+            self._active_steps[m] += 1
+        if self._cuda:
+            timed = {m: host[m] for m in self.timing if m in host}
+            if timed:
+                self._pending.append(({m: self._spans.pop(m, []) for m in timed}, timed))
+            self._spans.clear()
+            self._read_pending()
+        else:  # no device: the hooks' host time is the whole cost
+            for m, ms in host.items():
+                self._measured(m, ms)
+        self._replan()
+
+    def arm(self, active_next: Iterable[str]) -> None:
+        """Which of the monitors active in the next step are timed there."""
+        if not self._cuda:
+            return
+        self.timing = frozenset(
+            m
+            for m in active_next
+            if self._active_steps[m] < TIMED_FIRST or self._active_steps[m] % TIMED_EVERY == 0
+        )
+
+    def _read_pending(self) -> None:
+        while self._pending:
+            spans, host = self._pending[0]
+            spans_all = [p for ps in spans.values() for p in ps]
+            last = max(spans_all, key=lambda p: p[2] >= 0 and id(p), default=None)
+            if spans_all and not all(b.query() for _, b, _ in spans_all[-2:]) and last:
+                if len(self._pending) <= _PENDING_STEPS:
+                    return  # the GPU has not got there yet
+                self.dropped_steps += 1
+            else:
+                for m, ps in spans.items():
+                    device = sum(w * (a.elapsed_time(b) - self.pair_ms) for a, b, w in ps)
+                    self.device_ms[m] = max(0.0, device)
+                    self._measured(m, max(host[m], self.device_ms[m]))
+            self._pending.popleft()
+            events = {id(e): e for a, b, _ in spans_all for e in (a, b)}  # shared spans once
+            self._free += events.values()
+
+    def _measured(self, monitor: str, ms: float) -> None:
+        old = self.cost_ms.get(monitor)
+        self.cost_ms[monitor] = ms if old is None else _smooth(old, ms)
+
+    def _replan(self) -> None:
+        if not self.step_ms:
+            return
+        costs = {m: ms / self.step_ms for m, ms in self.cost_ms.items()}
+        self.cadence = plan(costs, self.fastest, self.fraction)
+
+    def _calibrate(self) -> float:
+        """Device time of an empty pair of timing events (cold path: one sync at attach)."""
+        pairs = [(self._event(), self._event()) for _ in range(16)]
+        for a, b in pairs:
+            a.record()
+            b.record()
+        pairs[-1][1].synchronize()
+        ms = statistics.median(a.elapsed_time(b) for a, b in pairs)
+        self._free += [e for pair in pairs for e in pair]
+        return ms
+
+    # -- reporting ---------------------------------------------------------------------
+
+    def share(self) -> dict[str, float]:
+        """Each measured monitor's estimated fraction of the step at its cadence."""
+        if not self.step_ms:
+            return {}
+        return {m: ms / self.cadence[m] / self.step_ms for m, ms in self.cost_ms.items()}
+
+    def records(self, area: str) -> dict[str, float]:
+        """``area/self/...`` values: cadence, cost and share per monitor, and the stack's."""
+        out = {f"{area}/self/budget_frac": self.fraction}
+        for m, every in self.cadence.items():
+            out[f"{area}/self/{m}_every_steps"] = float(every)
+        for m, ms in self.cost_ms.items():
+            out[f"{area}/self/{m}_active_cost_ms"] = ms
+        for m, ms in self.device_ms.items():
+            out[f"{area}/self/{m}_device_ms"] = ms
+        shares = self.share()
+        for m, frac in shares.items():
+            out[f"{area}/self/{m}_share_frac"] = frac
+        if self.step_ms:
+            out[f"{area}/self/step_ms"] = self.step_ms
+            out[f"{area}/self/stack_share_frac"] = sum(shares.values())
+        return out
+
+    def summary(self) -> str:
+        """One line for the run's output: the budget, each cadence and its share."""
+        if not self.step_ms:
+            return f"syncless monitors: budget {self.fraction:.1%} (no step measured)"
+        shares = self.share()
+        parts = [
+            f"{m} every {every}"
+            + (
+                f" ({self.cost_ms[m]:.2f} ms per active step, {shares[m]:.2%})"
+                if m in self.cost_ms
+                else " (not measured)"
+            )
+            for m, every in self.cadence.items()
+        ]
+        return (
+            f"syncless monitors: budget {self.fraction:.1%} of a {self.step_ms:.1f} ms step, "
+            f"stack {sum(shares.values()):.2%}: " + "; ".join(parts)
+        )
+
+
+def _smooth(old: float, new: float) -> float:
+    return (1 - _SMOOTHING) * old + _SMOOTHING * new

@@ -1,0 +1,94 @@
+"""The overhead budget: cadences by water-filling, and the handle applying them."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from syncless.demo.config import preset
+from syncless.demo.model import MoETransformer, init_weights
+from syncless.guard import no_sync
+from syncless.monitors import attach, build
+from syncless.monitors.budget import MAX_EVERY, Budget, plan
+
+
+def test_plan_shares_the_budget_out_by_water_filling():
+    # Worked by hand: three monitors, 1% of the step. b needs 0.1% at every step, under
+    # its third (0.333%): it keeps every 1 and leaves 0.9% to two. a's half is 0.45%:
+    # every ceil(2 / 0.45) = 5 costs 0.4%, leaving 0.5% to c: every ceil(5 / 0.5) = 10.
+    costs = {"a": 0.02, "b": 0.001, "c": 0.05}
+    every = plan(costs, {"a": 1, "b": 1, "c": 1}, 0.01)
+    assert every == {"a": 5, "b": 1, "c": 10}
+    assert sum(costs[m] / every[m] for m in costs) <= 0.01
+
+
+def test_plan_keeps_the_fastest_cadence_and_unmeasured_monitors():
+    every = plan({"norms": 0.05}, {"norms": 10, "attention": 1}, 0.01)
+    assert every == {"norms": 10, "attention": 1}  # 0.5% at every 10 fits; no cost yet
+    assert plan({"norms": 0.5}, {"norms": 10}, 0.01) == {"norms": 50}
+    assert plan({"x": 100.0}, {"x": 1}, 0.01) == {"x": MAX_EVERY}  # cannot fit: capped
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_fits_the_budget_whenever_the_cap_allows(seed):
+    g = torch.Generator().manual_seed(seed)
+    names = "abcde"
+    costs = {m: float(c) for m, c in zip(names, torch.rand(5, generator=g) * 0.2, strict=True)}
+    fastest = {
+        m: int(f) for m, f in zip(names, torch.randint(1, 4, (5,), generator=g), strict=True)
+    }
+    every = plan(costs, fastest, 0.01)
+    assert all(every[m] >= fastest[m] for m in names)
+    assert sum(costs[m] / every[m] for m in names) <= 0.01 * (1 + 1e-9)
+
+
+def fake_clock(period_s: float):
+    ticks = itertools.count()
+    return lambda: next(ticks) * period_s
+
+
+def test_budget_sets_the_cadence_from_host_cost_and_step_time_on_cpu():
+    budget = Budget(0.01, {"slow": 1, "cheap": 1}, "cpu")
+    budget.clock = fake_clock(0.020)  # a 20 ms step
+    for _ in range(5):  # 2 ms and 0.02 ms of hooks per active step
+        budget.step_end(["slow", "cheap"], {"slow": 2_000_000, "cheap": 20_000})
+    # cheap: 0.1% at every step fits its half; slow gets the other 0.9%: ceil(10 / 0.9)
+    assert budget.cadence == {"slow": math.ceil(10 / 0.9), "cheap": 1}
+    records = budget.records("monitors")
+    assert records["monitors/self/slow_every_steps"] == 12
+    assert records["monitors/self/step_ms"] == pytest.approx(20.0)
+    assert records["monitors/self/stack_share_frac"] == pytest.approx(0.1 / 12 + 0.001)
+    assert "budget 1.0% of a 20.0 ms step" in budget.summary()
+
+
+def test_a_budget_outside_zero_and_one_is_refused():
+    with pytest.raises(ValueError, match="fraction of the step"):
+        Budget(1.0, {"a": 1}, "cpu")
+
+
+def test_the_handle_runs_each_monitor_at_the_budgets_cadence():
+    cfg = preset("tiny")
+    torch.manual_seed(0)
+    model = MoETransformer(cfg)
+    init_weights(model, 0)
+    handle = attach(model, build("activations", every=1), lagged=False, budget=0.01)
+    handle.budget.clock = fake_clock(0.001)  # a 1 ms step: any hook is over 1% of it
+    tokens = torch.randint(0, 256, (2, 16))
+    recorded, cadence, billed = [], [], {}
+    for step in range(8):
+        cadence.append(handle.cadences["activations"])
+        with no_sync(cpu_as_device=True), torch.no_grad():
+            model(tokens)
+        records = {r.name: r.value for r in handle.step(step)}
+        recorded.append("monitors/layer_00/act_absmax" in records)
+        billed.update(records)
+    handle.close()
+    # every in force at each step decides it; step 0 runs at the fastest cadence
+    assert recorded == [s % e == 0 for s, e in zip(range(8), cadence, strict=True)]
+    assert cadence[0] == 1 and max(cadence) > 1  # measured once, then slowed down
+    # the cadence the flush recorded is one the steps ran at
+    assert billed["monitors/self/activations_every_steps"] in cadence
+    assert billed["monitors/self/budget_frac"] == 0.01
