@@ -92,3 +92,32 @@ def test_the_handle_runs_each_monitor_at_the_budgets_cadence():
     # the cadence the flush recorded is one the steps ran at
     assert billed["monitors/self/activations_every_steps"] in cadence
     assert billed["monitors/self/budget_frac"] == 0.01
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_spans_measure_the_hooks_kernels_without_a_sync():
+    """A hook that enqueues a known spin (torch.cuda._sleep) on a busy stream: the span
+    measures it, timed independently by an event pair around the same spin."""
+    cycles = 4_000_000
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(cycles)
+    b.record()
+    b.synchronize()
+    spin_ms = a.elapsed_time(b)
+
+    budget = Budget(0.01, {"m": 1}, "cuda")
+    budget.arm(["m"])
+    assert budget.timing == {"m"}
+    torch.cuda._sleep(cycles * 5)  # the device is behind the host, as in a real step
+    with no_sync():
+        span = budget.begin()
+        torch.cuda._sleep(cycles)
+        budget.end("m", span)
+        budget.step_end(["m"], {"m": 0})  # the GPU has not got there: nothing read yet
+    assert "m" not in budget.device_ms
+    torch.cuda.synchronize()
+    budget.step_end([], None)
+    assert budget.device_ms["m"] == pytest.approx(spin_ms, rel=0.1)
+    assert budget.cost_ms["m"] == pytest.approx(spin_ms, rel=0.1)
