@@ -22,7 +22,7 @@ import triton.language as tl
 from syncless.hot_path import hot_path
 from syncless.kernels import interpreting
 
-_BLOCK_L = 32
+_BLOCK_L = 64
 
 
 @triton.jit

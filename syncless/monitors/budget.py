@@ -153,19 +153,19 @@ class Budget:
     def _read_pending(self) -> None:
         while self._pending:
             spans, host = self._pending[0]
-            spans_all = [p for ps in spans.values() for p in ps]
-            last = max(spans_all, key=lambda p: p[2] >= 0 and id(p), default=None)
-            if spans_all and not all(b.query() for _, b, _ in spans_all[-2:]) and last:
-                if len(self._pending) <= _PENDING_STEPS:
-                    return  # the GPU has not got there yet
-                self.dropped_steps += 1
-            else:
+            ready = all(stop.query() for ps in spans.values() for _, stop, _ in ps)
+            if not ready and len(self._pending) <= _PENDING_STEPS:
+                return  # the GPU has not got there yet
+            self._pending.popleft()
+            if ready:
                 for m, ps in spans.items():
                     device = sum(w * (a.elapsed_time(b) - self.pair_ms) for a, b, w in ps)
                     self.device_ms[m] = max(0.0, device)
                     self._measured(m, max(host[m], self.device_ms[m]))
-            self._pending.popleft()
-            events = {id(e): e for a, b, _ in spans_all for e in (a, b)}  # shared spans once
+            else:
+                self.dropped_steps += 1
+            # a span shared by two monitors is in both lists: free its events once
+            events = {id(e): e for ps in spans.values() for a, b, _ in ps for e in (a, b)}
             self._free += events.values()
 
     def _measured(self, monitor: str, ms: float) -> None:
