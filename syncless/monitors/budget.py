@@ -13,11 +13,15 @@ that the stack stays under ``budget`` (a fraction of the step, default 1%):
   attach) is subtracted. The first ``TIMED_FIRST`` active steps of a monitor are timed,
   then one in ``TIMED_EVERY``: a timing record adds ~2 us of device time
   (bench/RESULTS.md, event_device_cost), 32 of them on a 16-layer model's hooks.
-* **cost per active step** = max(host, device), smoothed: a GPU-bound step hides the
-  host's work behind the device's and a host-bound one the device's behind the host's,
-  so the larger is what a step pays; their sum would count the hidden one too.
-* **step time**: the host's wall time between ``handle.step`` calls (the training loop's
-  period, device-paced when the step is GPU-bound).
+* **cost per active step** = max(host, device), the median of the last ``WINDOW``
+  measurements: a GPU-bound step hides the host's work behind the device's and a
+  host-bound one the device's behind the host's, so the larger is what a step pays
+  (their sum would count the hidden one too). A monitor's first active step is not
+  measured: it compiles its kernels (2 s of host on the H200, which once set attention
+  to every 1000 steps, where a smoothed mean would have kept it for thousands more).
+* **step time**: the median of the host's wall time between the last ``WINDOW``
+  ``handle.step`` calls (the training loop's period, device-paced when the step is
+  GPU-bound; a step that saves a checkpoint does not move it).
 
 Cadences (:func:`plan`): a monitor's ``every`` is the fastest it may run; the budget is
 shared out by water-filling: each monitor gets an equal share, those that need less at
@@ -39,9 +43,9 @@ import torch
 
 DEFAULT_BUDGET = 0.01
 MAX_EVERY = 1000
-TIMED_FIRST = 3  # active steps timed before sampling
+TIMED_FIRST = 3  # active steps timed (after the first, never measured) before sampling
 TIMED_EVERY = 4  # then one timed active step in this many
-_SMOOTHING = 0.3  # weight of a new measurement in the running cost
+WINDOW = 5  # measurements a median is taken over (costs and the step time)
 _PENDING_STEPS = 8  # timed steps waiting for the GPU before the oldest is dropped
 
 
@@ -87,13 +91,15 @@ class Budget:
         self.fraction = fraction
         self.fastest = dict(fastest)
         self.cadence = dict(fastest)
-        self.cost_ms: dict[str, float] = {}  # smoothed, per active step
+        self.cost_ms: dict[str, float] = {}  # the median of _costs, per active step
         self.device_ms: dict[str, float] = {}  # the last timed step's device time
         self.step_ms: float | None = None
         self.timing: frozenset[str] = frozenset()  # monitors timed in the current step
         self.dropped_steps = 0  # timed steps the GPU had not passed after _PENDING_STEPS
         self._cuda = torch.device(device).type == "cuda"
         self._active_steps = dict.fromkeys(fastest, 0)
+        self._costs: dict[str, deque[float]] = {m: deque(maxlen=WINDOW) for m in fastest}
+        self._periods: deque[float] = deque(maxlen=WINDOW)
         self._spans: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event, float]]] = {}
         self._pending: deque[tuple[dict[str, list], dict[str, float]]] = deque()
         self._free: list[torch.cuda.Event] = []
@@ -123,8 +129,8 @@ class Budget:
         """The step just flushed: ``active`` monitors ran, their hooks took ``host_ns``."""
         now = self.clock()
         if self._last_step_end is not None:
-            period = (now - self._last_step_end) * 1e3
-            self.step_ms = period if self.step_ms is None else _smooth(self.step_ms, period)
+            self._periods.append((now - self._last_step_end) * 1e3)
+            self.step_ms = statistics.median(self._periods)
         self._last_step_end = now
         host = {m: (host_ns or {}).get(m, 0) / 1e6 for m in active}
         for m in active:
@@ -137,18 +143,15 @@ class Budget:
             self._read_pending()
         else:  # no device: the hooks' host time is the whole cost
             for m, ms in host.items():
-                self._measured(m, ms)
+                if self._active_steps[m] > 1:  # the first compiles and allocates
+                    self._measured(m, ms)
         self._replan()
 
     def arm(self, active_next: Iterable[str]) -> None:
         """Which of the monitors active in the next step are timed there."""
         if not self._cuda:
             return
-        self.timing = frozenset(
-            m
-            for m in active_next
-            if self._active_steps[m] < TIMED_FIRST or self._active_steps[m] % TIMED_EVERY == 0
-        )
+        self.timing = frozenset(m for m in active_next if _timed(self._active_steps[m]))
 
     def _read_pending(self) -> None:
         while self._pending:
@@ -169,8 +172,9 @@ class Budget:
             self._free += events.values()
 
     def _measured(self, monitor: str, ms: float) -> None:
-        old = self.cost_ms.get(monitor)
-        self.cost_ms[monitor] = ms if old is None else _smooth(old, ms)
+        costs = self._costs[monitor]
+        costs.append(ms)
+        self.cost_ms[monitor] = statistics.median(costs)
 
     def _replan(self) -> None:
         if not self.step_ms:
@@ -234,5 +238,7 @@ class Budget:
         )
 
 
-def _smooth(old: float, new: float) -> float:
-    return (1 - _SMOOTHING) * old + _SMOOTHING * new
+def _timed(done: int) -> bool:
+    """Whether a monitor's active step after ``done`` active steps is timed: not the
+    first (it compiles), the next ``TIMED_FIRST``, then one in ``TIMED_EVERY``."""
+    return 1 <= done <= TIMED_FIRST or (done > TIMED_FIRST and done % TIMED_EVERY == 0)

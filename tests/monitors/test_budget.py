@@ -53,7 +53,9 @@ def fake_clock(period_s: float):
 def test_budget_sets_the_cadence_from_host_cost_and_step_time_on_cpu():
     budget = Budget(0.01, {"slow": 1, "cheap": 1}, "cpu")
     budget.clock = fake_clock(0.020)  # a 20 ms step
-    for _ in range(5):  # 2 ms and 0.02 ms of hooks per active step
+    # the first active step compiles (not measured), then 2 ms and 0.02 ms of hooks
+    budget.step_end(["slow", "cheap"], {"slow": 900_000_000, "cheap": 900_000_000})
+    for _ in range(5):
         budget.step_end(["slow", "cheap"], {"slow": 2_000_000, "cheap": 20_000})
     # cheap: 0.1% at every step fits its half; slow gets the other 0.9%: ceil(10 / 0.9)
     assert budget.cadence == {"slow": math.ceil(10 / 0.9), "cheap": 1}
@@ -62,6 +64,15 @@ def test_budget_sets_the_cadence_from_host_cost_and_step_time_on_cpu():
     assert records["monitors/self/step_ms"] == pytest.approx(20.0)
     assert records["monitors/self/stack_share_frac"] == pytest.approx(0.1 / 12 + 0.001)
     assert "budget 1.0% of a 20.0 ms step" in budget.summary()
+
+
+def test_a_costly_outlier_does_not_stall_a_monitor():
+    """A recompile or an allocator stall once: the median of the window ignores it."""
+    budget = Budget(0.01, {"m": 1}, "cpu")
+    budget.clock = fake_clock(0.100)
+    for host_ms in [0.0, 0.5, 0.5, 800.0, 0.5, 0.5]:
+        budget.step_end(["m"], {"m": int(host_ms * 1e6)})
+    assert budget.cost_ms["m"] == 0.5 and budget.cadence["m"] == 1
 
 
 def test_a_budget_outside_zero_and_one_is_refused():
@@ -108,6 +119,7 @@ def test_device_spans_measure_the_hooks_kernels_without_a_sync():
     spin_ms = a.elapsed_time(b)
 
     budget = Budget(0.01, {"m": 1}, "cuda")
+    budget.step_end(["m"], {"m": 0})  # its first active step compiles: never timed
     budget.arm(["m"])
     assert budget.timing == {"m"}
     torch.cuda._sleep(cycles * 5)  # the device is behind the host, as in a real step
