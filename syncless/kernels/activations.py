@@ -61,7 +61,7 @@ def _absmax_kernel(
 @triton.jit(do_not_specialize=["R", "ROWS_PER_PROGRAM"])
 def _absmax_grouped_kernel(
     x_ptr, offsets_ptr, out_ptr, R, C, sxr, ROWS_PER_PROGRAM, OUT_STRIDE,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
     """Layer ``program_id(2)`` reads ``x_ptr + offsets[layer]`` (elements) and writes its
     partials at columns ``[layer * C, (layer + 1) * C)`` of ``out`` ``[P, L * C]``."""
@@ -69,7 +69,7 @@ def _absmax_grouped_kernel(
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     layer = tl.program_id(2)
     c_ok = c < C
-    base = x_ptr + tl.load(offsets_ptr + layer)
+    base = x_ptr + tl.multiple_of(tl.load(offsets_ptr + layer), ALIGN)  # see attention
     acc = _absmax_rows(base, pr, c, c_ok, R, sxr, ROWS_PER_PROGRAM, BLOCK_R, BLOCK_C)
     tl.store(out_ptr + pr.to(tl.int64) * OUT_STRIDE + layer.to(tl.int64) * C + c, acc, mask=c_ok)
 
@@ -77,7 +77,7 @@ def _absmax_grouped_kernel(
 @triton.jit(do_not_specialize=["R", "ROWS_PER_PROGRAM"])
 def _output_grouped_kernel(
     x_ptr, offsets_ptr, out_ptr, R, C, sxr, ROWS_PER_PROGRAM, OUT_STRIDE,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
     """Both reads of a layer output in one pass: per-channel max |x| at columns
     ``[layer * (C + 1), layer * (C + 1) + C)`` and the NaN/Inf count, added atomically
@@ -87,7 +87,7 @@ def _output_grouped_kernel(
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     layer = tl.program_id(2)
     c_ok = c < C
-    base = x_ptr + tl.load(offsets_ptr + layer)
+    base = x_ptr + tl.multiple_of(tl.load(offsets_ptr + layer), ALIGN)  # see attention
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     bad = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
     r0 = pr * ROWS_PER_PROGRAM
@@ -126,12 +126,12 @@ def _nonfinite_kernel(x_ptr, out_ptr, n, PER_PROGRAM, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n", "PER_PROGRAM"])
 def _nonfinite_grouped_kernel(
-    x_ptr, offsets_ptr, out_ptr, n, PER_PROGRAM, L, BLOCK: tl.constexpr
+    x_ptr, offsets_ptr, out_ptr, n, PER_PROGRAM, L, BLOCK: tl.constexpr, ALIGN: tl.constexpr
 ):  # fmt: skip
     """Layer ``program_id(1)`` reads ``x_ptr + offsets[layer]``; ``out`` is ``[P, L]``."""
     program = tl.program_id(0)
     layer = tl.program_id(1)
-    base = x_ptr + tl.load(offsets_ptr + layer)
+    base = x_ptr + tl.multiple_of(tl.load(offsets_ptr + layer), ALIGN)  # see attention
     count = _nonfinite_count(base, program, n, PER_PROGRAM, BLOCK)
     tl.store(out_ptr + program.to(tl.int64) * L + layer, count)
 
@@ -201,7 +201,7 @@ def channel_absmax_partials_grouped(
     grid = (n_partials, triton.cdiv(channels, _BLOCK_C), n_layers)
     _absmax_grouped_kernel[grid](
         first, offsets, out, rows, channels, first.stride(0), per_program, n_layers * channels,
-        BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+        BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, ALIGN=16 // first.element_size(),
     )  # fmt: skip
     return out
 
@@ -216,7 +216,14 @@ def nonfinite_partials_grouped(
     per_program, n_programs = _flat_split(n)
     out = torch.empty((n_programs, n_layers), dtype=torch.float32, device=first.device)
     _nonfinite_grouped_kernel[(n_programs, n_layers)](
-        first, offsets, out, n, per_program, n_layers, BLOCK=_BLOCK
+        first,
+        offsets,
+        out,
+        n,
+        per_program,
+        n_layers,
+        BLOCK=_BLOCK,
+        ALIGN=16 // first.element_size(),
     )
     return out
 
@@ -235,7 +242,7 @@ def output_stats_partials_grouped(
     grid = (n_partials, triton.cdiv(channels, _BLOCK_C), n_layers)
     _output_grouped_kernel[grid](
         first, offsets, out, rows, channels, first.stride(0), per_program, width,
-        BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+        BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, ALIGN=16 // first.element_size(),
     )  # fmt: skip
     return out
 

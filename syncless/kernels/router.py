@@ -75,13 +75,13 @@ def _router_kernel(
 @triton.jit(do_not_specialize=["T"])
 def _router_grouped_kernel(
     x_ptr, offsets_ptr, out_ptr, T, E, sxt, sxe, OUT_STRIDE,
-    TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
     """Layer ``program_id(1)`` reads ``x_ptr + offsets[layer]`` and writes its ``E + 2``
     columns at ``layer * (E + 2)`` of ``out`` ``[P, L * (E + 2)]``."""
     pid = tl.program_id(0)
     layer = tl.program_id(1)
-    base = x_ptr + tl.load(offsets_ptr + layer)
+    base = x_ptr + tl.multiple_of(tl.load(offsets_ptr + layer), ALIGN)  # see attention
     counts, zsum, msum = _router_block(base, pid, T, E, sxt, sxe, TOP_K, SOFTMAX, BLOCK_T, BLOCK_E)
     e = tl.arange(0, BLOCK_E)
     out_row = out_ptr + pid.to(tl.int64) * OUT_STRIDE + layer.to(tl.int64) * (E + 2)
@@ -118,6 +118,6 @@ def router_partials_grouped(
     _router_grouped_kernel[(n_blocks, n_layers)](
         first, offsets, out, n_tokens, n_experts, *first.stride(), n_layers * width,
         TOP_K=top_k, SOFTMAX=softmax, BLOCK_T=_BLOCK_T,
-        BLOCK_E=max(2, triton.next_power_of_2(n_experts)),
+        BLOCK_E=max(2, triton.next_power_of_2(n_experts)), ALIGN=16 // first.element_size(),
     )  # fmt: skip
     return out

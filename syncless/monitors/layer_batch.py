@@ -178,8 +178,10 @@ class LayerBatch:
     ) -> list[int] | None:
         """Element offsets of every layer's tensors from the first layer's (all of the
         first tensor's, then the second's, ...), or ``None`` if they differ in shape,
-        dtype or strides, sit at a fraction of an element, or the first layer's view is
-        a copy (then the other layers' views would be copies too, at other addresses).
+        dtype or strides, one is not 16-byte aligned (the grouped kernels tell the
+        compiler the offsets keep that alignment, so their loads stay vectorized), or
+        the first layer's view is a copy (then the other layers' views would be copies
+        too, at other addresses).
 
         Tensors with equal shape, strides and dtype get views at the same offset from
         their own storage, so the offsets between the raw tensors are the offsets
@@ -189,7 +191,7 @@ class LayerBatch:
         layers = self.layers
         for i, x0 in enumerate(raw):
             base = x0.data_ptr()
-            if first[i].data_ptr() != base:
+            if first[i].data_ptr() != base or base % 16:
                 return None
             shape, stride, dtype, size = x0.shape, x0.stride(), x0.dtype, x0.element_size()
             for layer in layers:
@@ -197,7 +199,7 @@ class LayerBatch:
                 if x.shape != shape or x.dtype != dtype or x.stride() != stride:
                     return None
                 delta = x.data_ptr() - base
-                if delta % size:
+                if delta % 16:
                     return None
                 out.append(delta // size)
         return out

@@ -111,6 +111,7 @@ def test_device_spans_measure_the_hooks_kernels_without_a_sync():
     """A hook that enqueues a known spin (torch.cuda._sleep) on a busy stream: the span
     measures it, timed independently by an event pair around the same spin."""
     cycles = 4_000_000
+    torch.cuda._sleep(cycles)  # its first launch loads the kernel: not in the reference
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     torch.cuda._sleep(cycles)

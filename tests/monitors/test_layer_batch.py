@@ -56,3 +56,19 @@ def test_a_loop_that_never_flushes_folds_past_the_cap():
     assert len(batch._unfolded) == MAX_DEFERRED and len(group.folds) == 5
     batch.finish()
     assert len(group.folds) == MAX_DEFERRED + 5 and batch._unfolded == []
+
+
+def test_tensors_off_16_byte_alignment_take_the_per_layer_path():
+    """The grouped kernels tell the compiler every layer's offset keeps 16-byte
+    alignment (vectorized loads); a layer that breaks it must not reach them."""
+    group = _Group()
+    batch = _batch(group)
+    storage = torch.zeros(2 * 12 + 1)  # float32: 4 bytes an element
+    aligned = storage[:24].view(2, 3, 4)
+    batch.add(0, aligned[0])
+    batch.add(1, aligned[1])  # 48 bytes apart: grouped
+    assert (batch.grouped_launches, batch.single_launches) == (1, 0)
+    shifted = storage[1:].view(2, 3, 4)  # 4 bytes off the first layer's 16-byte grid
+    batch.add(0, aligned[0])
+    batch.add(1, shifted[1])
+    assert (batch.grouped_launches, batch.single_launches) == (1, 2)
