@@ -12,7 +12,7 @@ from syncless.demo.config import preset
 from syncless.demo.model import MoETransformer, init_weights
 from syncless.guard import no_sync
 from syncless.monitors import attach, build
-from syncless.monitors.budget import MAX_EVERY, Budget, plan
+from syncless.monitors.budget import MAX_EVERY, PLANNED, Budget, plan
 
 
 def test_plan_shares_the_budget_out_by_water_filling():
@@ -57,12 +57,15 @@ def test_budget_sets_the_cadence_from_host_cost_and_step_time_on_cpu():
     budget.step_end(["slow", "cheap"], {"slow": 900_000_000, "cheap": 900_000_000})
     for _ in range(5):
         budget.step_end(["slow", "cheap"], {"slow": 2_000_000, "cheap": 20_000})
-    # cheap: 0.1% at every step fits its half; slow gets the other 0.9%: ceil(10 / 0.9)
-    assert budget.cadence == {"slow": math.ceil(10 / 0.9), "cheap": 1}
+    # PLANNED of 1% is shared out (the rest is headroom): cheap, 0.1% at every step,
+    # fits its half; slow gets the rest, every ceil(10% / (0.75% - 0.1%)) = 16 steps
+    planned = 0.01 * PLANNED
+    slow_every = math.ceil(0.1 / (planned - 0.001))
+    assert slow_every == 16 and budget.cadence == {"slow": slow_every, "cheap": 1}
     records = budget.records("monitors")
-    assert records["monitors/self/slow_every_steps"] == 12
+    assert records["monitors/self/slow_every_steps"] == 16
     assert records["monitors/self/step_ms"] == pytest.approx(20.0)
-    assert records["monitors/self/stack_share_frac"] == pytest.approx(0.1 / 12 + 0.001)
+    assert records["monitors/self/stack_share_frac"] == pytest.approx(0.1 / 16 + 0.001)
     assert "budget 1.0% of a 20.0 ms step" in budget.summary()
 
 
