@@ -98,7 +98,7 @@ def main() -> None:
     tokens = torch.randint(0, 256, (1, cfg.seq_len))
     with tempfile.TemporaryDirectory() as tmp:
         run = Run(name="flush", run_dir=Path(tmp) / "run")
-        handle = attach(model, build(list(MONITORS), optimizer=opt, every=1), run=run)
+        handle = attach(model, build(list(MONITORS), optimizer=opt, every=1), run=run, budget=None)
         step_ms = []
         for step in range(12):
             logits, balance = model(tokens)

@@ -82,7 +82,7 @@ def hook_us(model, cfg, tokens, monitor: str, backend: str) -> float:
     kernels.set_backend("triton" if grouped else backend)
     os.environ["SYNCLESS_MONITOR_LAUNCH"] = "grouped" if grouped else "layer"
     try:
-        handle = attach(model, build([monitor], every=1), lagged=True)
+        handle = attach(model, build([monitor], every=1), lagged=True, budget=None)
     finally:
         os.environ.pop("SYNCLESS_MONITOR_LAUNCH", None)
     autocast = torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=tokens.is_cuda)
@@ -105,7 +105,7 @@ def hook_us(model, cfg, tokens, monitor: str, backend: str) -> float:
 
 
 def flush_profile(model, tokens, opt) -> tuple[float, str]:
-    handle = attach(model, build(list(MONITORS), optimizer=opt, every=1), lagged=True)
+    handle = attach(model, build(list(MONITORS), optimizer=opt, every=1), lagged=True, budget=None)
     autocast = torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=tokens.is_cuda)
     times, prof = [], cProfile.Profile()
     for step in range(12):
