@@ -397,8 +397,8 @@ def main() -> None:
             f"{entry['workload']}; transformers {transformers.__version__}, {precision}, "
             f"sdpa, AdamW, clip 1.0; overhead per mode, "
             f"median [min..max] (rounds) of per-round mean step over the off segment's, "
-            f"segments {args.seg} steps (stack {args.stack_seg}): {rows}"
-            + "".join(f"; {n}" for n in entry["notes"]),
+            f"segments {args.seg} steps (stack {args.stack_seg}) after {args.warmup} untimed "
+            f"(stack {args.stack_warmup}): {rows}" + "".join(f"; {n}" for n in entry["notes"]),
         )
 
 

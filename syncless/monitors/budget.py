@@ -23,6 +23,12 @@ that the stack stays under ``budget`` (a fraction of the step, default 1%):
   ``handle.step`` calls (the training loop's period, device-paced when the step is
   GPU-bound; a step that saves a checkpoint does not move it).
 
+Across ranks the cadences must agree: a monitor active on one rank and idle on another
+would leave the flush's collectives unmatched. Each rank plans from its own costs, and
+every ``AGREE_EVERY`` steps the ranks take the slowest cadence of each monitor in one
+small all-reduce (a host read of a handful of numbers; the only sync the budget makes,
+on the flush path, once in ``AGREE_EVERY`` steps). Between agreements no cadence changes.
+
 Cadences (:func:`plan`): a monitor's ``every`` is the fastest it may run; ``PLANNED``
 of the budget (the rest is headroom, below) is shared out by water-filling: each monitor gets an equal share, those that need less at
 their fastest cadence keep it and leave the rest to the others, and each other monitor
@@ -43,6 +49,7 @@ from collections import deque
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
 DEFAULT_BUDGET = 0.01
 PLANNED = 0.75  # of the budget given to the measured costs; the rest is headroom
@@ -50,6 +57,7 @@ MAX_EVERY = 1000
 TIMED_FIRST = 3  # active steps timed (after the first, never measured) before sampling
 TIMED_EVERY = 4  # then one timed active step in this many
 WINDOW = 5  # measurements a median is taken over (costs and the step time)
+AGREE_EVERY = 32  # steps between the ranks' agreements on cadences (several ranks)
 _PENDING_STEPS = 8  # timed steps waiting for the GPU before the oldest is dropped
 
 
@@ -85,7 +93,11 @@ class Budget:
     clock = staticmethod(time.perf_counter)  # seconds; tests give a fake one
 
     def __init__(
-        self, fraction: float, fastest: dict[str, int], device: torch.device | str
+        self,
+        fraction: float,
+        fastest: dict[str, int],
+        device: torch.device | str,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         if not 0 < fraction < 1:
             raise ValueError(
@@ -94,7 +106,13 @@ class Budget:
             )
         self.fraction = fraction
         self.fastest = dict(fastest)
-        self.cadence = dict(fastest)
+        self.cadence = dict(fastest)  # in force (agreed across ranks)
+        self.proposed = dict(fastest)  # this rank's plan
+        self.group = group
+        self._device = torch.device(device)
+        self._ranks = (
+            dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        )
         self.cost_ms: dict[str, float] = {}  # the median of _costs, per active step
         self.device_ms: dict[str, float] = {}  # the last timed step's device time
         self.step_ms: float | None = None
@@ -184,7 +202,22 @@ class Budget:
         if not self.step_ms:
             return
         costs = {m: ms / self.step_ms for m, ms in self.cost_ms.items()}
-        self.cadence = plan(costs, self.fastest, self.fraction * PLANNED)
+        self.proposed = plan(costs, self.fastest, self.fraction * PLANNED)
+        if self._ranks == 1:
+            self.cadence = self.proposed
+
+    def agree(self, next_step: int) -> None:
+        """Several ranks: every ``AGREE_EVERY`` steps, each monitor's slowest proposed
+        cadence becomes everyone's (a collective every rank reaches at the same step)."""
+        if self._ranks == 1 or next_step % AGREE_EVERY:
+            return
+        names = list(self.fastest)
+        proposed = torch.tensor([float(self.proposed[m]) for m in names], dtype=torch.float64)
+        proposed = proposed.to(self._device)
+        # syncless: collective-ok the ranks' cadences must agree, or the flush's collectives do not match
+        dist.all_reduce(proposed, op=dist.ReduceOp.MAX, group=self.group)
+        agreed = proposed.tolist()  # syncless: ok once in AGREE_EVERY steps, on the flush path
+        self.cadence = {m: int(every) for m, every in zip(names, agreed, strict=True)}
 
     def _calibrate(self) -> float:
         """Device time of an empty pair of timing events (cold path: one sync at attach)."""

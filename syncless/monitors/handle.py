@@ -96,6 +96,8 @@ class MonitorHandle:
 
     def _set_cadence(self, step: int) -> None:
         budget = self.budget
+        if budget is not None:
+            budget.agree(step)
         for m in self.monitors:
             if budget is not None:
                 m.every = budget.cadence[m.name]
@@ -326,7 +328,7 @@ def attach(
         device = next(first.parameters()).device
     ctx = MonitorContext(model_map, MetricSet(group))
     if budget is not None:
-        ctx.budget = Budget(budget, {m.name: m.every for m in monitors}, device)
+        ctx.budget = Budget(budget, {m.name: m.every for m in monitors}, device, group)
     for m in monitors:
         m.prepare(ctx)
     ctx.metrics.allocate(device)

@@ -12,7 +12,8 @@ from syncless.demo.config import preset
 from syncless.demo.model import MoETransformer, init_weights
 from syncless.guard import no_sync
 from syncless.monitors import attach, build
-from syncless.monitors.budget import MAX_EVERY, PLANNED, Budget, plan
+from syncless.monitors.budget import AGREE_EVERY, MAX_EVERY, PLANNED, Budget, plan
+from syncless.testing import spawn_gloo
 
 
 def test_plan_shares_the_budget_out_by_water_filling():
@@ -76,6 +77,29 @@ def test_a_costly_outlier_does_not_stall_a_monitor():
     for host_ms in [0.0, 0.5, 0.5, 800.0, 0.5, 0.5]:
         budget.step_end(["m"], {"m": int(host_ms * 1e6)})
     assert budget.cost_ms["m"] == 0.5 and budget.cadence["m"] == 1
+
+
+def _agreeing_rank(rank: int, world: int) -> list[dict[str, int]]:
+    budget = Budget(0.01, {"attention": 1, "norms": 10}, "cpu")
+    budget.clock = fake_clock(0.100)
+    # rank 1's attention costs 4x rank 0's; its norms half: each rank plans otherwise
+    attention_ns = [1_000_000, 4_000_000][rank]
+    norms_ns = [8_000_000, 4_000_000][rank]
+    seen = []
+    for step in range(2 * AGREE_EVERY):
+        budget.step_end(["attention", "norms"], {"attention": attention_ns, "norms": norms_ns})
+        budget.agree(step + 1)
+        seen.append(dict(budget.cadence))
+    return [seen[AGREE_EVERY - 2], seen[AGREE_EVERY - 1], dict(budget.proposed)]
+
+
+@pytest.mark.dist
+def test_ranks_agree_on_the_slowest_cadence_at_the_same_step():
+    (before0, after0, mine0), (before1, after1, mine1) = spawn_gloo(_agreeing_rank, 2)
+    assert mine0 != mine1  # each rank alone would have chosen other cadences
+    assert before0 == before1 == {"attention": 1, "norms": 10}  # nothing agreed yet
+    slowest = {m: max(mine0[m], mine1[m]) for m in mine0}
+    assert after0 == after1 == slowest
 
 
 def test_a_budget_outside_zero_and_one_is_refused():

@@ -361,16 +361,22 @@ def _make_proj_hook(
     return proj_hook
 
 
+def _take_unrotated(state: _QKState, head_dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """This forward's q, k (unrotated), cos and sin; the state lets go of them."""
+    # The model's own reshape: view(*input_shape, -1, head_dim).transpose(1, 2).
+    q = state.q.view(*state.shape, -1, head_dim).transpose(1, 2)  # type: ignore[union-attr]
+    k = state.k.view(*state.shape, -1, head_dim).transpose(1, 2)  # type: ignore[union-attr]
+    cos, sin = state.cos.detach(), state.sin.detach()  # type: ignore[union-attr]
+    state.clear()  # drop the references until the next forward
+    return q, k, cos, sin
+
+
 def _make_attn_post_hook(
     state: _QKState, rope: RopeFn, head_dim: int, callback: QKCallback
 ) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
     def attn_post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        # The model's own reshape: view(*input_shape, -1, head_dim).transpose(1, 2).
-        q = state.q.view(*state.shape, -1, head_dim).transpose(1, 2)  # type: ignore[union-attr]
-        k = state.k.view(*state.shape, -1, head_dim).transpose(1, 2)  # type: ignore[union-attr]
-        q, k = rope(q, k, state.cos.detach(), state.sin.detach())  # type: ignore[union-attr]
-        state.clear()  # drop the references until the next forward
-        callback(q, k)
+        q, k, cos, sin = _take_unrotated(state, head_dim)
+        callback(*rope(q, k, cos, sin))
 
     return attn_post_hook
 
@@ -379,10 +385,7 @@ def _make_rotary_post_hook(
     state: _QKState, rope: RopeFn, head_dim: int, callback: RotaryQKCallback
 ) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
     def attn_post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        q = state.q.view(*state.shape, -1, head_dim).transpose(1, 2)  # type: ignore[union-attr]
-        k = state.k.view(*state.shape, -1, head_dim).transpose(1, 2)  # type: ignore[union-attr]
-        cos, sin = state.cos.detach(), state.sin.detach()  # type: ignore[union-attr]
-        state.clear()
+        q, k, cos, sin = _take_unrotated(state, head_dim)
         # Shapes and strides only (host metadata): the kernels read cos/sin as [B or 1,
         # L, D] sharing one layout; anything else (partial rotary, another layout) gets
         # the model's own rotation here instead.
