@@ -32,10 +32,11 @@ on the flush path, once in ``AGREE_EVERY`` steps). Between agreements no cadence
 Cadences (:func:`plan`): a monitor's ``every`` is the fastest it may run; ``PLANNED``
 of the budget (the rest is headroom, below) is shared out by water-filling: each monitor gets an equal share, those that need less at
 their fastest cadence keep it and leave the rest to the others, and each other monitor
-runs every ``ceil(cost / share)`` steps (at most ``MAX_EVERY``). Not billed: the folds a
-grouped launch defers to the flush (a few small launches per monitor and step), the
-flush's own host time (``monitors/self/flush_host_ms``, reported beside), the hooks'
-dispatch on inactive steps and the timing events themselves. That is what the headroom
+runs every ``ceil(cost / share)`` steps (at most ``MAX_EVERY``). The flush's host time
+(``handle.step``) is shared out to the monitors active in it, as host cost. Not billed:
+the device time of the folds a grouped launch defers to the flush (a few small launches
+per monitor and step), the hooks' dispatch on inactive steps and the timing events
+themselves. That is what the headroom
 is for: planned to the whole 1%, the stack measured +0.54% to +1.24% (medians of 3
 rounds) on five GPU-bound Hugging Face models (bench/RESULTS.md, real_models at f1a6061).
 """
@@ -147,14 +148,21 @@ class Budget:
 
     # -- cold path: once per step ------------------------------------------------------
 
-    def step_end(self, active: Iterable[str], host_ns: dict[str, int] | None) -> None:
-        """The step just flushed: ``active`` monitors ran, their hooks took ``host_ns``."""
+    def step_end(
+        self, active: Iterable[str], host_ns: dict[str, int] | None, flush_ms: float = 0.0
+    ) -> None:
+        """The step just flushed: ``active`` monitors ran, their hooks took ``host_ns``
+        and the flush ``flush_ms`` of host time, which the active monitors share (a
+        monitor active every step forces a flush every step, even one that costs
+        nothing itself, like the moe monitor on a dense model)."""
         now = self.clock()
+        active = list(active)
         if self._last_step_end is not None:
             self._periods.append((now - self._last_step_end) * 1e3)
             self.step_ms = statistics.median(self._periods)
         self._last_step_end = now
-        host = {m: (host_ns or {}).get(m, 0) / 1e6 for m in active}
+        flush_share = flush_ms / len(active) if active else 0.0
+        host = {m: (host_ns or {}).get(m, 0) / 1e6 + flush_share for m in active}
         for m in active:
             self._active_steps[m] += 1
         if self._cuda:

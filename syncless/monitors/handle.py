@@ -112,8 +112,7 @@ class MonitorHandle:
         any_active = bool(active)
         if any_active:
             self._take_hook_time(step)
-        if self.budget is not None:
-            self.budget.step_end(active, self._hook_ns.get(step))
+        hooks = self._hook_ns.get(step)  # the records' copy may be taken before the end
         wait = not self.lagged if wait is None else wait
         if self._executor is None or wait:
             records = self._collect(block=True)  # earlier steps' first: records stay ordered
@@ -132,6 +131,9 @@ class MonitorHandle:
                 job = self._executor.submit(self._read_landed, landed, *own)
                 self._inflight.append(job)
             records = self._collect(block=False)
+        if self.budget is not None:
+            flush_ms = (time.perf_counter() - start) * 1e3
+            self.budget.step_end(active, hooks, flush_ms if any_active else 0.0)
         self._set_cadence(step + 1)
         self._host_ms = (time.perf_counter() - start) * 1e3
         self._publish(records)

@@ -70,6 +70,21 @@ def test_budget_sets_the_cadence_from_host_cost_and_step_time_on_cpu():
     assert "budget 1.0% of a 20.0 ms step" in budget.summary()
 
 
+def test_the_flush_is_billed_to_the_monitors_that_made_it():
+    """A monitor whose hooks cost nothing (moe on a dense model) still forces a flush
+    at each of its active steps: the flush's host time is its cost."""
+    budget = Budget(0.01, {"free": 1, "other": 1}, "cpu")
+    budget.clock = fake_clock(0.020)
+    for _ in range(4):
+        budget.step_end(["free"], {"free": 0}, flush_ms=2.0)
+    assert budget.cost_ms["free"] == 2.0
+    assert budget.cadence["free"] == math.ceil(0.1 / (0.01 * PLANNED))  # 14
+    budget.step_end(["free", "other"], {"free": 0, "other": 0}, flush_ms=2.0)
+    assert "other" not in budget.cost_ms  # its first active step is not measured
+    budget.step_end(["free", "other"], {"free": 0, "other": 0}, flush_ms=2.0)
+    assert budget.cost_ms["other"] == 1.0  # half of a flush both made
+
+
 def test_a_costly_outlier_does_not_stall_a_monitor():
     """A recompile or an allocator stall once: the median of the window ignores it."""
     budget = Budget(0.01, {"m": 1}, "cpu")
