@@ -32,7 +32,8 @@ on the flush path, once in ``AGREE_EVERY`` steps). Between agreements no cadence
 Cadences (:func:`plan`): a monitor's ``every`` is the fastest it may run; ``PLANNED``
 of the budget (the rest is headroom, below) is shared out by water-filling: each monitor gets an equal share, those that need less at
 their fastest cadence keep it and leave the rest to the others, and each other monitor
-runs every ``ceil(cost / share)`` steps (at most ``MAX_EVERY``). The flush's host time
+runs every ``ceil(cost / share)`` steps (at most ``MAX_EVERY``), a cadence growing at
+most ``GROWTH``-fold per plan so that it is measured again soon. The flush's host time
 (``handle.step``) is shared out to the monitors active in it, as host cost. Not billed:
 the device time of the folds a grouped launch defers to the flush (a few small launches
 per monitor and step), the hooks' dispatch on inactive steps and the timing events
@@ -59,6 +60,8 @@ TIMED_FIRST = 3  # active steps timed (after the first, never measured) before s
 TIMED_EVERY = 4  # then one timed active step in this many
 WINDOW = 5  # measurements a median is taken over (costs and the step time)
 AGREE_EVERY = 32  # steps between the ranks' agreements on cadences (several ranks)
+GROWTH = 4  # a cadence at most quadruples per plan: one bad measurement cannot park a
+# monitor for a thousand steps before it is measured again
 _PENDING_STEPS = 8  # timed steps waiting for the GPU before the oldest is dropped
 
 
@@ -210,7 +213,8 @@ class Budget:
         if not self.step_ms:
             return
         costs = {m: ms / self.step_ms for m, ms in self.cost_ms.items()}
-        self.proposed = plan(costs, self.fastest, self.fraction * PLANNED)
+        planned = plan(costs, self.fastest, self.fraction * PLANNED)
+        self.proposed = {m: min(every, GROWTH * self.proposed[m]) for m, every in planned.items()}
         if self._ranks == 1:
             self.cadence = self.proposed
 

@@ -12,7 +12,7 @@ from syncless.demo.config import preset
 from syncless.demo.model import MoETransformer, init_weights
 from syncless.guard import no_sync
 from syncless.monitors import attach, build
-from syncless.monitors.budget import AGREE_EVERY, MAX_EVERY, PLANNED, Budget, plan
+from syncless.monitors.budget import AGREE_EVERY, GROWTH, MAX_EVERY, PLANNED, Budget, plan
 from syncless.testing import spawn_gloo
 
 
@@ -83,6 +83,19 @@ def test_the_flush_is_billed_to_the_monitors_that_made_it():
     assert "other" not in budget.cost_ms  # its first active step is not measured
     budget.step_end(["free", "other"], {"free": 0, "other": 0}, flush_ms=2.0)
     assert budget.cost_ms["other"] == 1.0  # half of a flush both made
+
+
+def test_a_cadence_grows_at_most_fourfold_per_measurement():
+    budget = Budget(0.01, {"m": 1}, "cpu")
+    budget.clock = fake_clock(0.010)
+    seen = []
+    for _ in range(6):  # 100% of a 10 ms step: it wants every 134 steps
+        budget.step_end(["m"], {"m": 10_000_000})
+        seen.append(budget.cadence["m"])
+    want = math.ceil(1.0 / (0.01 * PLANNED))
+    assert want == 134
+    # the first active step is not measured; then 4, 16, 64, then the plan itself
+    assert seen == [1, GROWTH, GROWTH**2, GROWTH**3, want, want]
 
 
 def test_a_costly_outlier_does_not_stall_a_monitor():
