@@ -256,6 +256,13 @@ def summarize(state: ModelState, modes: list[str], off_steps: list[float], round
         label = stack_label(state.budget) if mode == "stack" else mode
         med, lo, hi = statistics.median(est), min(est), max(est)
         rows[label] = f"{med * 100:+.2f}% [{lo * 100:+.2f}..{hi * 100:+.2f}] ({len(est)})"
+        if mode == "stack":  # issue #19's target for the default stack
+            verdict = (
+                "met"
+                if med <= state.budget
+                else f"missed by {(med - state.budget) * 100:.2f} points"
+            )
+            rows[label] += f" (target <= {state.budget * 100:g}%: {verdict})"
         print(f"  {label:<40}{med * 100:>+8.2f}%{lo * 100:>+10.2f}..{hi * 100:+.2f}%{len(est):>8}")
     for mode, error in failed.items():
         label = stack_label(state.budget) if mode == "stack" else mode

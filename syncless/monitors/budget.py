@@ -60,8 +60,8 @@ TIMED_FIRST = 3  # active steps timed (after the first, never measured) before s
 TIMED_EVERY = 4  # then one timed active step in this many
 WINDOW = 5  # measurements a median is taken over (costs and the step time)
 AGREE_EVERY = 32  # steps between the ranks' agreements on cadences (several ranks)
-GROWTH = 4  # a cadence at most quadruples per plan: one bad measurement cannot park a
-# monitor for a thousand steps before it is measured again
+GROWTH = 4  # a cadence at most quadruples per new measurement: one bad measurement
+# cannot park a monitor for a thousand steps before it is measured again
 _PENDING_STEPS = 8  # timed steps waiting for the GPU before the oldest is dropped
 
 
@@ -126,6 +126,7 @@ class Budget:
         self._active_steps = dict.fromkeys(fastest, 0)
         self._costs: dict[str, deque[float]] = {m: deque(maxlen=WINDOW) for m in fastest}
         self._periods: deque[float] = deque(maxlen=WINDOW)
+        self._fresh: set[str] = set()  # monitors measured since the last plan
         self._spans: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event, float]]] = {}
         self._pending: deque[tuple[dict[str, list], dict[str, float]]] = deque()
         self._free: list[torch.cuda.Event] = []
@@ -207,6 +208,7 @@ class Budget:
     def _measured(self, monitor: str, ms: float) -> None:
         costs = self._costs[monitor]
         costs.append(ms)
+        self._fresh.add(monitor)
         self.cost_ms[monitor] = statistics.median(costs)
 
     def _replan(self) -> None:
@@ -214,7 +216,12 @@ class Budget:
             return
         costs = {m: ms / self.step_ms for m, ms in self.cost_ms.items()}
         planned = plan(costs, self.fastest, self.fraction * PLANNED)
-        self.proposed = {m: min(every, GROWTH * self.proposed[m]) for m, every in planned.items()}
+        # growth needs a new measurement of that monitor; shrinking needs none
+        self.proposed = {
+            m: min(every, self.proposed[m] * (GROWTH if m in self._fresh else 1))
+            for m, every in planned.items()
+        }
+        self._fresh.clear()
         if self._ranks == 1:
             self.cadence = self.proposed
 

@@ -89,13 +89,15 @@ def test_a_cadence_grows_at_most_fourfold_per_measurement():
     budget = Budget(0.01, {"m": 1}, "cpu")
     budget.clock = fake_clock(0.010)
     seen = []
-    for _ in range(6):  # 100% of a 10 ms step: it wants every 134 steps
-        budget.step_end(["m"], {"m": 10_000_000})
-        seen.append(budget.cadence["m"])
+    for step in range(200):  # 100% of a 10 ms step: it wants every 134 steps
+        active = ["m"] if step % budget.cadence["m"] == 0 else []
+        budget.step_end(active, {"m": 10_000_000})
+        if active:
+            seen.append((step, budget.cadence["m"]))
     want = math.ceil(1.0 / (0.01 * PLANNED))
     assert want == 134
-    # the first active step is not measured; then 4, 16, 64, then the plan itself
-    assert seen == [1, GROWTH, GROWTH**2, GROWTH**3, want, want]
+    # the first active step is not measured; each later one lets the cadence grow 4x
+    assert seen == [(0, 1), (1, GROWTH), (4, GROWTH**2), (16, GROWTH**3), (64, want), (134, want)]
 
 
 def test_a_costly_outlier_does_not_stall_a_monitor():
