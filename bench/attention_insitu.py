@@ -18,6 +18,7 @@ import statistics
 import torch
 import triton
 from hf_models import build_workload, model_specs, train_step
+from results import append_result
 from torch.profiler import ProfilerActivity, profile
 
 from syncless.kernels import attention, rope
@@ -26,7 +27,7 @@ from syncless.monitors import attach, build
 OURS = ("_qk_stats", "_rotate_kernel", "_fold", "fold")
 
 
-def profiled(work, steps: int):
+def profiled(work, steps: int) -> str:
     handle = attach(work.model, build(["attention"], every=1), budget=None)
     for s in range(3):
         train_step(work, flush=lambda s=s: handle.step(s))
@@ -40,13 +41,16 @@ def profiled(work, steps: int):
     for r in sorted(rows, key=lambda r: -r.device_time_total)[:12]:
         print(f"  {r.device_time_total / steps / 1e3:8.3f} ms  x{r.count // steps:<4} {r.key[:90]}")
     print("the monitor's kernels:")
+    ours = []
     for r in rows:
         if any(k in r.key for k in OURS):
             per = r.device_time_total / steps / 1e3
             print(f"  {per:8.3f} ms/step x{r.count // steps:<4} {r.key[:90]}")
+            ours.append(f"{r.key} {per:.3f} ({r.count // steps})")
+    return f"{', '.join(ours)}; all kernels {total:.1f}"
 
 
-def isolated(spec) -> None:
+def isolated(spec) -> str:
     b, h, hkv, length, d, n = (
         spec.batch,
         spec.heads,
@@ -98,10 +102,17 @@ def main() -> None:
     args = parser.parse_args()
     spec = model_specs()[args.model]
     work = build_workload(spec, torch.device("cuda"))
-    profiled(work, args.steps)
+    inside = profiled(work, args.steps)
     del work
     torch.cuda.empty_cache()
-    isolated(spec)
+    alone = isolated(spec)
+    print(append_result(
+        "attention_insitu",
+        f"{spec.name} ({spec.layers} layers, B {spec.batch} x L {spec.seq_len}, H "
+        f"{spec.heads}/{spec.kv_heads}, D {spec.head_dim}), attention monitor every step, "
+        f"device ms per step over {args.steps} profiled steps: {inside}; the same launches "
+        f"alone (do_bench median of 3): {alone}",
+    ))  # fmt: skip
 
 
 if __name__ == "__main__":
