@@ -63,8 +63,29 @@ def model_specs(layers_8b: int = 6) -> dict[str, ModelSpec]:
         ModelSpec(name="qwen3-moe", family="qwen3_moe", hidden=2048, heads=32, kv_heads=4,
                   head_dim=128, intermediate=768, layers=8, batch=2, seq_len=4096,
                   experts=64, top_k=8),
+        # The demo's own large step (host-bound, about 7% of the H200's bf16 peak), so
+        # "nothing regresses on the demo" is measured by the same interleaved segments.
+        ModelSpec(name="demo-large", family="demo", hidden=1024, heads=16, kv_heads=16,
+                  head_dim=64, intermediate=2048, layers=24, batch=8, seq_len=1024,
+                  experts=8, top_k=2, vocab=256),
     ]  # fmt: skip
     return {s.name: s for s in specs}
+
+
+def build_demo(spec: ModelSpec, device: torch.device) -> nn.Module:
+    """The syncless demo model at ``spec``'s sizes (its ``large`` preset by default)."""
+    from syncless.demo.config import preset
+    from syncless.demo.model import MoETransformer, init_weights
+
+    cfg = dataclasses.replace(
+        preset("large"), n_layers=spec.layers, d_model=spec.hidden, n_heads=spec.heads,
+        n_experts=spec.experts, top_k=spec.top_k, expert_hidden=spec.intermediate,
+        seq_len=spec.seq_len, batch_size=spec.batch,
+    )  # fmt: skip
+    model = MoETransformer(cfg).to(device)
+    init_weights(model, cfg.seed)
+    model.aux_loss_coef = cfg.aux_loss_coef
+    return model.train()
 
 
 def tiny(spec: ModelSpec) -> ModelSpec:
@@ -72,7 +93,7 @@ def tiny(spec: ModelSpec) -> ModelSpec:
     return dataclasses.replace(
         spec, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, layers=2,
         batch=2, seq_len=64, experts=min(spec.experts, 4), top_k=min(spec.top_k, 2),
-        vocab=512,  # at 32000 the head and its optimizer state are most of a CPU step
+        vocab=min(spec.vocab, 512),  # at 32000 the head and its optimizer state are most of a CPU step
     )  # fmt: skip
 
 
@@ -144,6 +165,8 @@ def build_model(spec: ModelSpec, device: torch.device) -> tuple[nn.Module, str]:
     """The model on ``device`` in float32, and its experts implementation."""
     from transformers import AutoModelForCausalLM
 
+    if spec.family == "demo":
+        return build_demo(spec, device), "the demo's dispatch"
     config = hf_config(spec)
     with torch.device(device):
         if not spec.experts:
@@ -166,8 +189,11 @@ def matmul_params(model: nn.Module, spec: ModelSpec) -> float:
     """Parameters one token multiplies by: all but the input embedding (a lookup), the
     output head counted even when it shares the embedding's matrix, and each expert
     weight scaled by top_k / experts (a token visits top_k of them)."""
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
+    if spec.family == "demo":  # a tied head: the embedding's matrix counts once, as it
+        embed = head = model.embed.weight  # multiplies every token's output
+    else:
+        embed = model.get_input_embeddings().weight
+        head = model.get_output_embeddings().weight
     total = 0.0
     for name, p in model.named_parameters():  # shared parameters come once
         if p is embed:
@@ -218,7 +244,8 @@ def build_workload(spec: ModelSpec, device: torch.device) -> Workload:
     fused = {"fused": True} if device.type == "cuda" else {}
     optimizer = torch.optim.AdamW(params, lr=1e-5, **fused)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, spec.vocab, (spec.batch, spec.seq_len), generator=g).to(device)
+    length = spec.seq_len + (spec.family == "demo")  # the demo's targets are the next tokens
+    ids = torch.randint(0, spec.vocab, (spec.batch, length), generator=g).to(device)
     n_matmul = matmul_params(model, spec)
     return Workload(
         spec=spec,
@@ -228,7 +255,7 @@ def build_workload(spec: ModelSpec, device: torch.device) -> Workload:
         ids=ids,
         device=device,
         bf16=device.type == "cuda",
-        layers=list(model.model.layers),
+        layers=list(model.layers if spec.family == "demo" else model.model.layers),
         n_params=sum(p.numel() for p in params),
         n_matmul=n_matmul,
         flops=step_flops(spec, n_matmul),
@@ -241,7 +268,7 @@ def train_step(work: Workload, prof: Any = OFF, flush: Callable[[], None] | None
     """One training step; returns after the loss read-back, the step's one sync."""
     autocast = torch.autocast(work.device.type, dtype=torch.bfloat16, enabled=work.bf16)
     with prof.section("forward"), autocast:
-        loss = work.model(input_ids=work.ids, labels=work.ids).loss
+        loss = _loss(work)
     with prof.section("backward"):
         loss.backward()
     with prof.section("optimizer"):
@@ -251,6 +278,15 @@ def train_step(work: Workload, prof: Any = OFF, flush: Callable[[], None] | None
         flush()  # where a real loop flushes its monitors; the gradients are still there
     work.optimizer.zero_grad(set_to_none=True)
     return loss.item()
+
+
+def _loss(work: Workload) -> torch.Tensor:
+    if work.spec.family != "demo":
+        return work.model(input_ids=work.ids, labels=work.ids).loss
+    inputs, targets = work.ids[:, :-1], work.ids[:, 1:]
+    logits, balance = work.model(inputs)
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return ce + work.model.aux_loss_coef * balance
 
 
 def count_syncs(work: Workload) -> int:

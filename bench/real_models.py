@@ -322,7 +322,8 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, device, deadline: float
 def parse_args() -> argparse.Namespace:
     names = list(model_specs())
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default=",".join(names), help=f"comma list of {names}")
+    default_models = [n for n in names if n != "demo-large"]  # the demo: on request
+    parser.add_argument("--models", default=",".join(default_models), help=f"comma list of {names}")
     default_modes = ["off", "stack", *MONITORS, "profile", "naive"]
     parser.add_argument("--modes", default=",".join(default_modes), help="comma list")
     parser.add_argument("--layers8b", type=int, default=6, help="layers of llama3-8b-layers")
