@@ -259,7 +259,11 @@ class Budget:
 
     def records(self, area: str) -> dict[str, float]:
         """``area/self/...`` values: cadence, cost and share per monitor, and the stack's."""
-        out = {f"{area}/self/budget_frac": self.fraction}
+        out = {
+            f"{area}/self/budget_frac": self.fraction,
+            # timed steps never read (the GPU had not passed them): not measured
+            f"{area}/self/budget_unread_steps_count": float(self.dropped_steps),
+        }
         for m, every in self.cadence.items():
             out[f"{area}/self/{m}_every_steps"] = float(every)
         for m, ms in self.cost_ms.items():
