@@ -36,7 +36,6 @@ number of query rows the block used (written by head 0 only).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -44,50 +43,12 @@ import triton.language as tl
 
 from syncless.hot_path import hot_path
 from syncless.kernels import interpreting
+from syncless.kernels.attention_config import QKConfig, config_for, fp32_precision
 from syncless.kernels.rope import rounded
 
-
-@dataclass(frozen=True)
-class QKConfig:
-    """Tile sizes and launch shape of the statistics kernel."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-# Per head_dim (the largest that fits wins). Before this table: 128 x 32, 8 warps for
-# every head_dim (2.45 ms -> 1.51 ms on the demo's large shape with base 2 and unmasked
-# blocks, bench/RESULTS.md monitor_kernels fb3e2cf); the entries below are
-# bench/attention_kernel.py's sweep on the H200 (bench/RESULTS.md, attention_kernel).
-# 64 x 64 with 4 warps took 0.453 ms on B 2, H 32/8, L 4096, D 128 against 0.585 ms at
-# the former 128 x 32 with 8 warps, and 0.167 against 0.219 ms at D 64 (40bb95a).
-CONFIGS: dict[int, QKConfig] = {
-    64: QKConfig(64, 64, 4, 3),
-    128: QKConfig(64, 64, 4, 3),
-    256: QKConfig(128, 64, 8, 3),
-}
 _LOG2E = math.log2(math.e)
 _LN2: tl.constexpr = tl.constexpr(math.log(2.0))
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def config_for(head_dim: int) -> QKConfig:
-    for dim in sorted(CONFIGS):
-        if head_dim <= dim:
-            return CONFIGS[dim]
-    return CONFIGS[max(CONFIGS)]
-
-
-# torch.get_float32_matmul_precision() -> the dot of float32 inputs: TF32 where torch's
-# own float32 matmuls may use it, else three TF32 passes (float32-accurate).
-_FP32_DOT = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
-
-
-def fp32_precision() -> str:
-    """The dot precision of float32 inputs: what torch's own float32 matmuls may use."""
-    return _FP32_DOT.get(torch.get_float32_matmul_precision(), "tf32x3")
 
 
 @triton.jit

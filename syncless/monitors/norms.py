@@ -23,126 +23,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from syncless import kernels
 from syncless.hot_path import hot_path
-from syncless.kernels.offsets import OffsetRing
 from syncless.metrics import Readout, Slot, layer_scope
 from syncless.monitors.base import AREA, MonitorContext, check_every
+from syncless.monitors.norms_passes import FusedBucket, foreach_norms, grad_norms, group_sumsq
 
 QUANTITIES = ("param", "grad", "update")
 
 
 def _nothing_sharded(name: str) -> bool:
     return False
-
-
-@hot_path
-def group_sumsq(norms: list[torch.Tensor], group_ids: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """Sum of squared per-tensor norms per group: ``[n_groups]`` float64 on the device.
-
-    ``group_ids[i]`` is the group of ``norms[i]`` (fixed at registration). Float64,
-    because a sum of squares over billions of parameters loses digits in float32.
-    """
-    squares = torch.stack(norms).to(torch.float64).square_()
-    out = torch.zeros(n_groups, dtype=torch.float64, device=group_ids.device)
-    return out.index_add_(0, group_ids, squares)
-
-
-@hot_path
-def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per-tensor L2 norms in float32 (one multi-tensor launch per chunk of tensors)."""
-    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-
-
-@hot_path
-def grad_norms(params: list[nn.Parameter], zero: torch.Tensor) -> list[torch.Tensor]:
-    """Norms of the parameters' gradients, ``zero`` where a parameter has none.
-
-    ``p.grad is None`` is Python structure (which parameters took part in backward), not
-    a tensor value, so the branch costs no sync.
-    """
-    grads = [p.grad for p in params]
-    present = [g for g in grads if g is not None]
-    if len(present) == len(grads):
-        return foreach_norms(present)
-    norms = iter(foreach_norms(present) if present else [])
-    return [zero if g is None else next(norms) for g in grads]
-
-
-class _PreStep(NamedTuple):
-    """What the fused pre-step gives one bucket: ``[n_groups]`` float64 sums."""
-
-    params: torch.Tensor
-    grads: torch.Tensor | None  # None: the gradients take the foreach path
-    snapshot: torch.Tensor | None  # the flat copy, with update_ratio
-
-
-class _FusedBucket:
-    """One dtype bucket's tensors through ``syncless.kernels.norms``: one launch before
-    the step and one after, instead of ``_foreach_norm``'s chunked launches. Offsets are
-    re-read from the tensors every active step (a model moved to another device, or
-    gradients reallocated by ``zero_grad(set_to_none=True)``, change them) and uploaded
-    only when they changed. A method returns ``None`` where the fused path does not
-    apply (a tensor not contiguous or swapped, no free offsets buffer), and the caller
-    takes the foreach path for that bucket. Gradients that do not fit (one missing, or
-    of mixed dtypes) leave the parameters fused and only the gradients to foreach.
-    """
-
-    def __init__(self, tensors: list[nn.Parameter], groups: list[int], n_groups: int) -> None:
-        # Imported here, once: the module needs Triton, which a CPU install may lack.
-        from syncless.kernels import norms as fused
-
-        self._fused = fused
-        self.table = fused.BlockTable.build(list(tensors), groups, n_groups)
-        device = tensors[0].device
-        self.sizes = [t.numel() for t in tensors]
-        # 0: the parameters' offsets, 1: the gradients'
-        self._rings = (OffsetRing(device, len(tensors)), OffsetRing(device, len(tensors)))
-
-    def _offsets(self, tensors: list[torch.Tensor], ring: int) -> torch.Tensor | None:
-        offsets = self._fused.element_offsets(tensors, self.sizes)
-        return None if offsets is None else self._rings[ring].upload(offsets)
-
-    @hot_path
-    def pre_step(self, params: list[nn.Parameter], snapshot: bool) -> _PreStep | None:
-        """Both sums of squares and, with ``snapshot``, the flat copy: one launch that
-        reads each parameter and its gradient once."""
-        offsets = self._offsets(list(params), 0)
-        if offsets is None:
-            return None
-        # ``p.grad is None`` is Python structure, not a tensor value: no sync.
-        grads = [p.grad for p in params]
-        present = [g for g in grads if g is not None]
-        grad_offsets = self._offsets(present, 1) if len(present) == len(grads) else None
-        first = params[0]
-        snap = None
-        if snapshot:
-            snap = torch.empty(self.table.total, dtype=first.dtype, device=first.device)
-        sums = self._fused.group_param_grad_sumsq(
-            first,
-            offsets,
-            self.table,
-            first_grad=None if grad_offsets is None else present[0],
-            grad_offsets=grad_offsets,
-            snap=snap,
-        )
-        return _PreStep(sums[0], None if grad_offsets is None else sums[1], snap)
-
-    @hot_path
-    def diff_sumsq(self, params: list[nn.Parameter], snap: torch.Tensor) -> torch.Tensor | None:
-        offsets = self._offsets(list(params), 0)
-        if offsets is None:
-            return None
-        return self._fused.group_diff_sumsq(params[0], offsets, self.table, snap)
-
-    def views(self, snap: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        """The flat snapshot as one view per parameter, for the foreach path."""
-        return [s.view_as(p) for s, p in zip(snap.split(self.sizes), params, strict=True)]
 
 
 @dataclass
@@ -231,7 +126,7 @@ class NormsMonitor:
         self._buckets: list[list[nn.Parameter]] = []  # one per dtype, for foreach fast paths
         self._bucket_groups: list[list[int]] = []  # each parameter's group, per bucket
         self._bucket_ids: list[torch.Tensor] = []  # the same on the bucket's device
-        self._fused: list[_FusedBucket | None] = []  # the Triton path per bucket, if any
+        self._fused: list[FusedBucket | None] = []  # the Triton path per bucket, if any
         self._zero: torch.Tensor | None = None
         # per bucket: the fused flat copy, or the foreach path's list of copies
         self._snapshot: list[torch.Tensor | list[torch.Tensor]] | None = None
@@ -305,7 +200,7 @@ class NormsMonitor:
         self._gate, self._gate_on = ctx.metrics.gate, ctx.metrics.gate_on
         n = len(self._groups)
         self._fused = [
-            _FusedBucket(bucket, groups, n) if kernels.use_triton(bucket[0]) else None
+            FusedBucket(bucket, groups, n) if kernels.use_triton(bucket[0]) else None
             for bucket, groups in zip(self._buckets, self._bucket_groups, strict=True)
         ]
         self._bucket_ids = [

@@ -90,10 +90,10 @@ def test_update_norm_survives_a_busy_offsets_buffer(monkeypatch):
     through foreach ops: the same update norms as a naive recount."""
     if kernels.backend() != "triton":
         pytest.skip("the fused norms path is the Triton path")
-    from syncless.monitors import norms as norms_module
+    from syncless.monitors import norms_passes as norms_module
 
     state = {"post": False, "refused": 0}
-    real = norms_module._FusedBucket._offsets
+    real = norms_module.FusedBucket._offsets
 
     def refused_after_the_step(self, tensors, ring):
         if state["post"]:
@@ -101,7 +101,7 @@ def test_update_norm_survives_a_busy_offsets_buffer(monkeypatch):
             return None
         return real(self, tensors, ring)
 
-    monkeypatch.setattr(norms_module._FusedBucket, "_offsets", refused_after_the_step)
+    monkeypatch.setattr(norms_module.FusedBucket, "_offsets", refused_after_the_step)
     model = _demo()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     mon, ctx = _monitored(find_layers(model), opt, every=1)
@@ -113,7 +113,7 @@ def test_update_norm_survives_a_busy_offsets_buffer(monkeypatch):
     with no_sync(cpu_as_device=True):
         opt.step()
     assert state["refused"] == 1
-    assert isinstance(mon._fused[0], norms_module._FusedBucket)
+    assert isinstance(mon._fused[0], norms_module.FusedBucket)
     (readout,) = ctx.metrics.flush(0, wait=True)
     out = mon.derive(readout)
     for i, block in enumerate(model.layers):
