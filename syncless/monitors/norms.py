@@ -31,7 +31,15 @@ from syncless import kernels
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot, layer_scope
 from syncless.monitors.base import AREA, MonitorContext, check_every
-from syncless.monitors.norms_passes import FusedBucket, foreach_norms, grad_norms, group_sumsq
+from syncless.monitors.norms_passes import (
+    FusedBucket,
+    foreach_norms,
+    grad_norms,
+    group_sumsq,
+    is_sharded,
+    local,
+    local_grads,
+)
 
 QUANTITIES = ("param", "grad", "update")
 
@@ -124,6 +132,7 @@ class NormsMonitor:
         self.model = model
         self._groups: list[_Group] = []
         self._buckets: list[list[nn.Parameter]] = []  # one per dtype, for foreach fast paths
+        self._dtensors: list[bool] = []  # per bucket: its parameters are DTensors
         self._bucket_groups: list[list[int]] = []  # each parameter's group, per bucket
         self._bucket_ids: list[torch.Tensor] = []  # the same on the bucket's device
         self._fused: list[FusedBucket | None] = []  # the Triton path per bucket, if any
@@ -162,7 +171,9 @@ class NormsMonitor:
                     continue
                 seen.add(id(p))
                 name = names.get(id(p), f"layers.{site.index}.param{i}")
-                by_class[bool(self.is_sharded(name))].append(p)
+                # A DTensor says itself whether it is sharded (FSDP2, tensor parallel);
+                # the predicate covers plain tensors that differ across ranks.
+                by_class[is_sharded(p) or bool(self.is_sharded(name))].append(p)
             for sharded, params in by_class.items():
                 if not params:
                     continue
@@ -181,8 +192,9 @@ class NormsMonitor:
         # multi-tensor path; a mixed list falls back to one launch per tensor.
         buckets: dict[tuple, list[tuple[nn.Parameter, int]]] = {}
         for p, g in members:
-            buckets.setdefault((p.device, p.dtype), []).append((p, g))
+            buckets.setdefault((p.device, p.dtype, type(p)), []).append((p, g))
         self._buckets = [[p for p, _ in b] for b in buckets.values()]
+        self._dtensors = [local(b[0]) is not b[0] for b in self._buckets]
         self._bucket_groups = [[g for _, g in b] for b in buckets.values()]
         self.unmonitored_params = len(in_optimizer - monitored)
 
@@ -200,8 +212,10 @@ class NormsMonitor:
         self._gate, self._gate_on = ctx.metrics.gate, ctx.metrics.gate_on
         n = len(self._groups)
         self._fused = [
-            FusedBucket(bucket, groups, n) if kernels.use_triton(bucket[0]) else None
-            for bucket, groups in zip(self._buckets, self._bucket_groups, strict=True)
+            FusedBucket(self._locals(i), groups, n) if kernels.use_triton(bucket[0]) else None
+            for i, (bucket, groups) in enumerate(
+                zip(self._buckets, self._bucket_groups, strict=True)
+            )
         ]
         self._bucket_ids = [
             torch.tensor(groups, dtype=torch.int64).to(bucket[0].device)
@@ -216,6 +230,13 @@ class NormsMonitor:
     # -- optimizer hooks (hot) ---------------------------------------------------------
 
     @hot_path
+    def _locals(self, i: int) -> list[torch.Tensor]:
+        """Bucket ``i``'s parameters as this rank holds them (DTensors' local shards),
+        read again every active step: FSDP may have swapped their storage."""
+        bucket = self._buckets[i]
+        return [local(p) for p in bucket] if self._dtensors[i] else bucket
+
+    @hot_path
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not self.active:
             return
@@ -225,10 +246,16 @@ class NormsMonitor:
             params: torch.Tensor | None = None
             grads: torch.Tensor | None = None
             snapshots: list = []
-            for i, bucket in enumerate(self._buckets):
+            for i in range(len(self._buckets)):
+                bucket = self._locals(i)
+                grads_i = local_grads(self._buckets[i], self._dtensors[i])
                 fused = None if capturing else self._fused[i]
                 ids = self._bucket_ids[i]
-                pre = fused.pre_step(bucket, self.update_ratio) if fused is not None else None
+                pre = (
+                    fused.pre_step(bucket, grads_i, self.update_ratio)
+                    if fused is not None
+                    else None
+                )
                 if pre is None:
                     p = group_sumsq(foreach_norms(bucket), ids, len(self._groups))
                     g, snap = None, None
@@ -240,7 +267,7 @@ class NormsMonitor:
                 else:
                     p, g, snap = pre
                 if g is None:
-                    g = group_sumsq(grad_norms(bucket, self._zero), ids, len(self._groups))
+                    g = group_sumsq(grad_norms(grads_i, self._zero), ids, len(self._groups))
                 params = p if params is None else params + p
                 grads = g if grads is None else grads + g
                 if snap is not None:
@@ -258,7 +285,8 @@ class NormsMonitor:
             return
         with torch.no_grad():
             total: torch.Tensor | None = None
-            for i, (bucket, snap) in enumerate(zip(self._buckets, snapshot, strict=True)):
+            for i, snap in enumerate(snapshot):
+                bucket = self._locals(i)
                 fused = self._fused[i]
                 u = None
                 if isinstance(snap, torch.Tensor):  # the fused snapshot: one flat copy

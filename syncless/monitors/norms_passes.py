@@ -17,6 +17,13 @@ from torch import nn
 from syncless.hot_path import hot_path
 from syncless.kernels.offsets import OffsetRing
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without distributed: no DTensor can exist
+
+    class DTensor:  # type: ignore[no-redef]
+        pass
+
 
 @hot_path
 def group_sumsq(norms: list[torch.Tensor], group_ids: torch.Tensor, n_groups: int) -> torch.Tensor:
@@ -36,14 +43,31 @@ def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
 
 
-@hot_path
-def grad_norms(params: list[nn.Parameter], zero: torch.Tensor) -> list[torch.Tensor]:
-    """Norms of the parameters' gradients, ``zero`` where a parameter has none.
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 and tensor-parallel parameters and their
+    gradients), the tensor itself otherwise: the passes read local memory only, and the
+    flush's SUM over ranks adds the shards' sums of squares into the full tensor's."""
+    return t._local_tensor if isinstance(t, DTensor) else t  # an attribute: no dispatch
 
-    ``p.grad is None`` is Python structure (which parameters took part in backward), not
-    a tensor value, so the branch costs no sync.
-    """
-    grads = [p.grad for p in params]
+
+def is_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` differs across ranks by its own description: a DTensor placed other
+    than replicated (``Shard``, strided shards, ``Partial``)."""
+    return isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements)
+
+
+@hot_path
+def local_grads(params: list[nn.Parameter], dtensors: bool) -> list[torch.Tensor | None]:
+    """The parameters' gradients (this rank's shards when ``dtensors``); ``None`` where
+    a parameter has none (Python structure, not a tensor value: no sync)."""
+    if not dtensors:
+        return [p.grad for p in params]
+    return [None if p.grad is None else local(p.grad) for p in params]
+
+
+@hot_path
+def grad_norms(grads: list[torch.Tensor | None], zero: torch.Tensor) -> list[torch.Tensor]:
+    """Norms of the gradients, ``zero`` where a parameter has none."""
     present = [g for g in grads if g is not None]
     if len(present) == len(grads):
         return foreach_norms(present)
@@ -70,7 +94,7 @@ class FusedBucket:
     of mixed dtypes) leave the parameters fused and only the gradients to foreach.
     """
 
-    def __init__(self, tensors: list[nn.Parameter], groups: list[int], n_groups: int) -> None:
+    def __init__(self, tensors: list[torch.Tensor], groups: list[int], n_groups: int) -> None:
         # Imported here, once: the module needs Triton, which a CPU install may lack.
         from syncless.kernels import norms as fused
 
@@ -86,14 +110,14 @@ class FusedBucket:
         return None if offsets is None else self._rings[ring].upload(offsets)
 
     @hot_path
-    def pre_step(self, params: list[nn.Parameter], snapshot: bool) -> _PreStep | None:
+    def pre_step(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor | None], snapshot: bool
+    ) -> _PreStep | None:
         """Both sums of squares and, with ``snapshot``, the flat copy: one launch that
         reads each parameter and its gradient once."""
         offsets = self._offsets(list(params), 0)
         if offsets is None:
             return None
-        # ``p.grad is None`` is Python structure, not a tensor value: no sync.
-        grads = [p.grad for p in params]
         present = [g for g in grads if g is not None]
         grad_offsets = self._offsets(present, 1) if len(present) == len(grads) else None
         first = params[0]
@@ -111,12 +135,12 @@ class FusedBucket:
         return _PreStep(sums[0], None if grad_offsets is None else sums[1], snap)
 
     @hot_path
-    def diff_sumsq(self, params: list[nn.Parameter], snap: torch.Tensor) -> torch.Tensor | None:
+    def diff_sumsq(self, params: list[torch.Tensor], snap: torch.Tensor) -> torch.Tensor | None:
         offsets = self._offsets(list(params), 0)
         if offsets is None:
             return None
         return self._fused.group_diff_sumsq(params[0], offsets, self.table, snap)
 
-    def views(self, snap: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    def views(self, snap: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The flat snapshot as one view per parameter, for the foreach path."""
         return [s.view_as(p) for s, p in zip(snap.split(self.sizes), params, strict=True)]
