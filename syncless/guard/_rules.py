@@ -84,7 +84,13 @@ def _to_host(args: tuple[Any, ...], kwargs: Mapping[str, Any], cpu_as_device: bo
     A dtype-only or device-to-device ``.to`` is fine, and so is
     ``.to("cpu", non_blocking=True)``: torch then allocates a pinned output and
     does not wait. A target given as a tensor (``x.to(other)``) follows that
-    tensor's device; in the CPU simulation it counts as a device tensor.
+    tensor's device; in the CPU simulation it counts as a device tensor, and so does a
+    ``torch.device`` object equal to the tensor's own: ``x.to(device=y.device)`` is how
+    model code keeps tensors together (Hugging Face's rotary embedding moves
+    ``inv_freq`` to the input's device every forward), a no-op on a GPU, where both
+    are on it. A string ``"cpu"`` or ``.cpu()`` is a host copy there. The blind spot:
+    a host copy written ``x.to(torch.device("cpu"))`` passes the CPU simulation (on a
+    GPU it is caught).
     """
     if not args or not on_device(args[0], cpu_as_device):
         return False
@@ -96,6 +102,8 @@ def _to_host(args: tuple[Any, ...], kwargs: Mapping[str, Any], cpu_as_device: bo
         non_blocking = _arg(rest, kwargs, 1, "non_blocking", False)
         return not non_blocking
     if isinstance(first, torch.dtype):
+        return False
+    if cpu_as_device and isinstance(first, torch.device) and first == args[0].device:
         return False
     device = _as_device(first)
     if device is None or device.type != "cpu":

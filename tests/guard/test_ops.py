@@ -64,7 +64,7 @@ def to_cpu_kwarg(t):
 
 
 def to_cpu_device_dtype(t):
-    t.x.to(torch.device("cpu"), torch.float64)  # SYNC
+    t.x.to("cpu", torch.float64)  # SYNC
 
 
 def bool_(t):
@@ -320,6 +320,12 @@ def _to_tensor_and_nonblocking(t):
     return t.x.to(t.other), t.x.to("cpu", non_blocking=True)
 
 
+def _to_another_tensors_device(t):
+    # Hugging Face's rotary embedding, every forward: inv_freq.to(device=x.device), a
+    # same-device no-op on a GPU; in the CPU simulation both are "the device"
+    return t.x.to(device=t.other.device, dtype=torch.float), t.x.to(t.other.device)
+
+
 def _factories(t):
     return torch.zeros(3), torch.ones_like(t.x), torch.empty(2, 2), torch.full((2,), 1.5)
 
@@ -363,6 +369,7 @@ NEGATIVE = [
     _more_metadata,
     _dtype_casts,
     _to_tensor_and_nonblocking,
+    _to_another_tensors_device,
     _factories,
     _in_place,
     _masking_without_sync,

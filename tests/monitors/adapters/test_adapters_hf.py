@@ -287,3 +287,13 @@ def test_training_step_with_hooks(hook_guard) -> None:
     for n, p in model.named_parameters():
         if n in want:
             torch.testing.assert_close(p.grad, want[n])
+
+
+def test_a_stock_forward_and_backward_run_under_no_sync() -> None:
+    """Issue #20: Hugging Face's rotary embedding moves inv_freq to the input's device
+    every forward (a same-device no-op), which no_sync used to report as a host copy."""
+    from syncless.guard import no_sync
+
+    model = build("llama", attn_implementation="sdpa").train()
+    with no_sync(cpu_as_device=True):
+        model(ids(), labels=ids()).loss.backward()
