@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
 from torch.utils.hooks import RemovableHandle
 
 from syncless.metrics import MetricSet, Readout
@@ -21,6 +22,15 @@ from syncless.monitors.budget import Budget
 from syncless.monitors.layer_batch import LayerBatch
 
 AREA = "monitors"
+
+
+def recomputing() -> bool:
+    """Whether a forward runs inside a backward: activation checkpointing's recompute
+    (reentrant or not: torch.utils.checkpoint, Hugging Face's gradient checkpointing,
+    torchtitan's checkpoint_wrapper). The real forward was measured already; a hook
+    that counted again would double every count (issue #20: moe_tokens_count doubled).
+    One C call, ~0.1 us."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def check_every(every: int) -> int:
@@ -45,6 +55,8 @@ class MonitorContext:
     # The overhead budget (``attach(..., budget=)``): which monitors' hooks are timed on
     # the device this step, and where their timing events go.
     budget: Budget | None = None
+    # Hook calls skipped because they fired in an activation-checkpointing recompute.
+    recompute_skips: dict[str, int] = field(default_factory=dict)
 
     def timed(self, monitor: str, hook: Callable[..., Any]) -> Callable[..., Any]:
         """``hook`` billing its host time to ``monitor`` (two clock reads, ~0.1 us).
@@ -56,10 +68,15 @@ class MonitorContext:
         """
         ledger = self.host_ns
         ledger.setdefault(monitor, 0)
+        skips = self.recompute_skips
+        skips.setdefault(monitor, 0)
         clock = time.perf_counter_ns
         ctx = self
 
         def billed(*args: Any, **kwargs: Any) -> Any:
+            if recomputing():
+                skips[monitor] += 1
+                return None
             start = clock()
             budget = ctx.budget
             span = budget.begin() if budget is not None and monitor in budget.timing else None

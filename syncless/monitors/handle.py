@@ -15,7 +15,7 @@ from torch import nn
 
 from syncless.metrics import Landed, MetricSet, Readout
 from syncless.monitors.adapters import find_layers
-from syncless.monitors.base import AREA, Monitor, MonitorContext
+from syncless.monitors.base import AREA, Monitor, MonitorContext, recomputing
 from syncless.monitors.budget import DEFAULT_BUDGET, Budget
 from syncless.monitors.output_read import fuse_output_reads
 from syncless.run import Run, StepRecord, check_metric_name
@@ -239,6 +239,9 @@ class MonitorHandle:
             own[f"{AREA}/self/hook_host_ms"] = sum(hooks.values()) / 1e6
         if budget:
             own.update(budget)
+        for monitor, n in list(self.ctx.recompute_skips.items()):
+            if n:  # since attach: hook calls in activation-checkpointing recomputes
+                own[f"{AREA}/self/{monitor}_recompute_skipped_count"] = float(n)
         if readout_start_ns is not None:
             own[f"{AREA}/self/readout_host_ms"] = (time.perf_counter_ns() - readout_start_ns) / 1e6
         records.add(name, r.step, rank, own.keys(), own.values(), now)
@@ -355,6 +358,8 @@ def _backward_signal(handle: MonitorHandle):
     forward)."""
 
     def hook(module: nn.Module, args: object, output: object) -> None:
+        if recomputing():  # a checkpoint's recompute runs inside the backward already
+            return
         # The output's Python type, not a tensor value: a structural branch.
         out = output[0] if isinstance(output, (tuple, list)) else output
         if isinstance(out, torch.Tensor) and out.requires_grad:

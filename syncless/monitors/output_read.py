@@ -26,7 +26,7 @@ import torch
 from syncless import kernels
 from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.activations import ActivationsMonitor
-from syncless.monitors.base import Monitor, MonitorContext
+from syncless.monitors.base import Monitor, MonitorContext, recomputing
 from syncless.monitors.layer_batch import LayerBatch
 from syncless.monitors.nonfinite import NonFiniteMonitor
 
@@ -96,6 +96,9 @@ def _shared_hook(
     def record(hidden: torch.Tensor) -> None:
         a, n = acts.active, nonf.active
         if not (a or n):
+            return
+        if recomputing():  # activation checkpointing: measured in the real forward
+            ctx.recompute_skips[acts.name] = ctx.recompute_skips.get(acts.name, 0) + 1
             return
         start = clock()
         budget = ctx.budget
