@@ -158,6 +158,12 @@ class PlanCache:
         window: int | None,
         device: torch.device,
     ) -> RowPlan:
+        if torch.compiler.is_compiling():
+            # Traced: the plan's few ops go into the graph, and a cache the first call
+            # fills would fail the graph's guard on the next (one recompile).
+            return build_plan(
+                batch, n_heads, q_len, k_len, causal, window, device, self.max_elements
+            )
         key = (batch, n_heads, q_len, k_len, causal, window, device)
         plan = self._plans.get(key)
         if plan is None:

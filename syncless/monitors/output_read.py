@@ -100,6 +100,10 @@ def _shared_hook(
         if recomputing():  # activation checkpointing: measured in the real forward
             ctx.recompute_skips[acts.name] = ctx.recompute_skips.get(acts.name, 0) + 1
             return
+        if torch.compiler.is_compiling():  # no clock reads in a traced graph
+            if not (a and acts_record(hidden)) and n:
+                nonf_record(hidden)
+            return
         start = clock()
         budget = ctx.budget
         timed = budget is not None and (acts.name in budget.timing or nonf.name in budget.timing)
