@@ -87,6 +87,8 @@ class MonitorHandle:
         self.readout_errors = 0
         self.readout_host_ns_total = 0  # the readout thread's, when ``background``
         self.budget = ctx.budget
+        self.optimizer_steps = 0  # step calls that were optimizer steps (cadences count them)
+        self.micro_steps = 0  # step(..., accumulate=True) calls
         self._set_cadence(0)
 
     @property
@@ -105,8 +107,20 @@ class MonitorHandle:
         if budget is not None:
             budget.arm(m.name for m in self.monitors if m.active)
 
-    def step(self, step: int, wait: bool | None = None) -> StepRecords:
-        """End of training step ``step``: flush, emit, and arm the next step."""
+    def step(self, step: int, wait: bool | None = None, *, accumulate: bool = False) -> StepRecords:
+        """End of training step ``step``: flush, emit, and arm the next step.
+
+        ``accumulate=True`` marks the end of a micro-batch of gradient accumulation (a
+        framework hook that runs per micro-batch): nothing is flushed, the monitors stay
+        armed, and the next micro-batches' values join the optimizer step's (sums,
+        counts and maxima over all of them; the norms hook the optimizer step itself).
+        Cadences count the calls without it, the optimizer steps; ``step`` labels the
+        records.
+        """
+        if accumulate:
+            self.micro_steps += 1
+            return StepRecords()
+        self.optimizer_steps += 1
         start = time.perf_counter()
         active = [m.name for m in self.monitors if m.active]
         any_active = bool(active)
@@ -134,7 +148,7 @@ class MonitorHandle:
         if self.budget is not None:
             flush_ms = (time.perf_counter() - start) * 1e3
             self.budget.step_end(active, hooks, flush_ms if any_active else 0.0)
-        self._set_cadence(step + 1)
+        self._set_cadence(self.optimizer_steps)
         self._host_ms = (time.perf_counter() - start) * 1e3
         self._publish(records)
         return records
