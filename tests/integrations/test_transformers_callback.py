@@ -1,0 +1,76 @@
+"""The Hugging Face Trainer callback, through examples/hf_trainer.py (issue #20).
+
+Ground truth: the test's own optimizer pre-step hook on the real (unwrapped) optimizer,
+registered after syncless's, reads decoder layer 0's parameters and gradients in
+float64 at every optimizer step, as the norms monitor must: after the Trainer's
+clipping, before the update. Accelerate wraps the optimizer (AcceleratedOptimizer) and
+the run uses gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import torch  # noqa: E402
+
+from syncless.integrations.transformers import unwrap_optimizer  # noqa: E402
+from syncless.run import open as open_run  # noqa: E402
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "hf_trainer.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("hf_trainer_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Truth(transformers.TrainerCallback):
+    def __init__(self) -> None:
+        self.norms: list[tuple[float, float]] = []
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        layer = model.model.layers[0]
+        real = unwrap_optimizer(optimizer)
+        assert real is not optimizer  # Accelerate wrapped it: the case that broke
+
+        def pre_step(opt, a, kw):
+            params = torch.cat([p.detach().double().flatten() for p in layer.parameters()])
+            grads = torch.cat([p.grad.double().flatten() for p in layer.parameters()])
+            self.norms.append((params.norm().item(), grads.norm().item()))
+
+        real.register_step_pre_hook(pre_step)
+
+
+def test_the_callback_records_every_optimizer_steps_norms(tmp_path):
+    truth = _Truth()
+    argv = ["--steps", "4", "--accumulate", "2", "--output-dir", str(tmp_path / "out"),
+            "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    callback = _example().main(argv, callbacks=(truth,))
+    assert callback.run.dir == tmp_path / "run" and callback.handle is None  # closed
+    with open_run(callback.run.dir) as store:
+        _, rows = store.query(
+            "SELECT step, name, value FROM metrics WHERE name IN "
+            "('monitors/layer_00/param_norm', 'monitors/layer_00/grad_norm') ORDER BY step"
+        )
+        _, attention = store.query(
+            "SELECT count(DISTINCT step) FROM metrics "
+            "WHERE name = 'monitors/global/attn_qk_logit_max'"
+        )
+    got = {(step, name.rsplit("/", 1)[1]): value for step, name, value in rows}
+    assert len(truth.norms) == 4
+    norm_steps = sorted({step for step, _ in got})
+    assert norm_steps  # the norms ran at least once (the budget sets how often)
+    for step in norm_steps:
+        param, grad = truth.norms[step]
+        assert math.isclose(got[step, "param_norm"], param, rel_tol=1e-5)
+        assert math.isclose(got[step, "grad_norm"], grad, rel_tol=1e-5)
+    assert attention[0][0] >= 1
