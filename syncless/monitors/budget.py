@@ -25,9 +25,10 @@ that the stack stays under ``budget`` (a fraction of the step, default 1%):
 
 Across ranks the cadences must agree: a monitor active on one rank and idle on another
 would leave the flush's collectives unmatched. Each rank plans from its own costs, and
-every ``AGREE_EVERY`` steps the ranks take the slowest cadence of each monitor in one
-small all-reduce (a host read of a handful of numbers; the only sync the budget makes,
-on the flush path, once in ``AGREE_EVERY`` steps). Between agreements no cadence changes.
+at steps 2, 4, 8 and 16 and then every ``AGREE_EVERY`` steps the ranks take the slowest
+cadence of each monitor in one small all-reduce (a host read of a handful of numbers;
+the only sync the budget makes, on the flush path). Between agreements no cadence
+changes.
 
 Cadences (:func:`plan`): a monitor's ``every`` is the fastest it may run; ``PLANNED``
 of the budget (the rest is headroom, below) is shared out by water-filling: each monitor gets an equal share, those that need less at
@@ -60,6 +61,7 @@ TIMED_FIRST = 3  # active steps timed (after the first, never measured) before s
 TIMED_EVERY = 4  # then one timed active step in this many
 WINDOW = 5  # measurements a median is taken over (costs and the step time)
 AGREE_EVERY = 32  # steps between the ranks' agreements on cadences (several ranks)
+AGREE_EARLY = (2, 4, 8, 16)  # and these steps: the first measurements land after step 1
 GROWTH = 4  # a cadence at most quadruples per new measurement: one bad measurement
 # cannot park a monitor for a thousand steps before it is measured again
 _PENDING_STEPS = 8  # timed steps waiting for the GPU before the oldest is dropped
@@ -226,9 +228,9 @@ class Budget:
             self.cadence = self.proposed
 
     def agree(self, next_step: int) -> None:
-        """Several ranks: every ``AGREE_EVERY`` steps, each monitor's slowest proposed
-        cadence becomes everyone's (a collective every rank reaches at the same step)."""
-        if self._ranks == 1 or next_step % AGREE_EVERY:
+        """Several ranks: at the agreement steps, each monitor's slowest proposed cadence
+        becomes everyone's (a collective every rank reaches at the same step)."""
+        if self._ranks == 1 or (next_step % AGREE_EVERY and next_step not in AGREE_EARLY):
             return
         names = list(self.fastest)
         proposed = torch.tensor([float(self.proposed[m]) for m in names], dtype=torch.float64)
