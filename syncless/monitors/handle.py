@@ -18,6 +18,7 @@ from syncless.monitors.adapters import find_layers
 from syncless.monitors.base import AREA, Monitor, MonitorContext, recomputing
 from syncless.monitors.budget import DEFAULT_BUDGET, Budget
 from syncless.monitors.output_read import fuse_output_reads
+from syncless.monitors.ranks import check_same_monitors
 from syncless.run import Run, StepRecord, check_metric_name
 from syncless.run.records import StepRecords
 
@@ -341,6 +342,7 @@ def attach(
     names = [m.name for m in monitors]
     if len(set(names)) != len(names):
         raise ValueError(f"each monitor may be attached once; got {names}")
+    check_same_monitors(monitors, group, budget)
     model_map = find_layers(model, layer_offsets=layer_offsets)
     if device is None:
         first = model[0] if isinstance(model, Sequence) else model
