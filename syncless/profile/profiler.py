@@ -377,7 +377,10 @@ class Profiler(CollectiveWrappers):
         3.51 us on the CI host, 2.36 of it with empty hooks, against 0.80 plain:
         bench/RESULTS.md, hook_dispatch). A call the short path cannot take (outside a
         step, a re-entered module, a section closed out of order, NVTX on) takes the
-        general path. Other hooks on the module run outside the section.
+        general path. Other hooks on the module run outside the section. A forward
+        traced by ``torch.compile`` (the module, or a model around it, compiled) is not
+        timed: the clock reads and event records would break the graph; time the
+        compiled region from outside it (``section`` around its call).
         """
         # Reused: one module's forwards do not overlap. A section seen before starts on
         # the short path (the benchmarks hook a module again for every profiled step).
@@ -389,8 +392,14 @@ class Profiler(CollectiveWrappers):
         previous = module.__dict__.get("forward")  # another wrapper, or None
         inner = module.forward
 
+        compiling = torch.compiler.is_compiling
+
         @hot_path
         def timed_forward(*args: Any, **kwargs: Any) -> Any:
+            if compiling():
+                # Traced into a torch.compile graph: a clock read or an event record
+                # would break it; a compiled module is timed from outside its graph.
+                return inner(*args, **kwargs)
             t_in = clock()
             if span._sid < 0 or span._token is not None or not self._in_step or self.nvtx:
                 self._open_slow(span, name, category, bytes)
