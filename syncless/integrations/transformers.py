@@ -94,7 +94,6 @@ class SynclessCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.handle is not None:
-            self.handle.close()
-            self.handle = None
+            self.handle.close()  # kept: its counters and last readouts stay readable
         if self.run is not None:
             self.run.close()

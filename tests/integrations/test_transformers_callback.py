@@ -55,7 +55,9 @@ def test_the_callback_records_every_optimizer_steps_norms(tmp_path):
     argv = ["--steps", "4", "--accumulate", "2", "--output-dir", str(tmp_path / "out"),
             "--run-dir", str(tmp_path / "run")]  # fmt: skip
     callback = _example().main(argv, callbacks=(truth,))
-    assert callback.run.dir == tmp_path / "run" and callback.handle is None  # closed
+    assert callback.run.dir == tmp_path / "run"
+    # one flush per optimizer step; the Trainer's micro-batches never reach the handle
+    assert (callback.handle.optimizer_steps, callback.handle.micro_steps) == (4, 0)
     with open_run(callback.run.dir) as store:
         _, rows = store.query(
             "SELECT step, name, value FROM metrics WHERE name IN "

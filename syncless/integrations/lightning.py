@@ -1,0 +1,94 @@
+"""The monitors in a Lightning ``Trainer``: a ``lightning.pytorch`` callback.
+
+```python
+from syncless.integrations.lightning import SynclessCallback
+
+trainer = lightning.Trainer(max_steps=1000, callbacks=[SynclessCallback()])
+trainer.fit(module, data)  # the run directory: callback.run.dir
+```
+
+At fit start it finds the model the adapters know inside the ``LightningModule``
+(the module itself, else its first child that maps: a Hugging Face model kept as
+``self.model``, say), opens a ``Run`` and attaches the monitors with their overhead
+budget to the trainer's (torch) optimizer. After every training batch it flushes when
+the optimizer stepped (``trainer.global_step`` moved) and otherwise marks a
+gradient-accumulation micro-batch, whose values join the next step's
+(``MonitorHandle.step(..., accumulate=True)``). At fit end it closes both. The
+records' step is the optimizer step, ``global_step - 1``.
+
+Like the Hugging Face callback, ``monitors/global/grad_norm`` covers the decoder
+layers' gradients after any clipping (``gradient_clip_val``), read in the optimizer's
+pre-step hook.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from syncless.errors import UsageError
+from syncless.integrations.transformers import unwrap_optimizer
+from syncless.monitors import MonitorHandle, attach, build, parse_names
+from syncless.monitors.adapters import find_layers
+from syncless.monitors.budget import DEFAULT_BUDGET
+from syncless.run import Run
+
+
+def monitored_model(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` if an adapter maps it, else its first child (depth first) that maps."""
+    for candidate in [module, *module.modules()]:
+        try:
+            find_layers(candidate)
+        except UsageError:
+            continue
+        return candidate
+    raise UsageError(
+        f"SynclessCallback: no model syncless's adapters recognise inside "
+        f"{type(module).__name__} (docs/adapters.md: register an adapter for it)"
+    )
+
+
+class SynclessCallback(Callback):
+    """``monitors``: ``"all"`` or a comma list; ``run_dir``: the run directory
+    (default ``runs/<time>-<run_name>``); ``budget``: the share of the step the
+    monitors may cost (``None``: fixed cadences); ``every``: the fastest cadence."""
+
+    def __init__(
+        self,
+        monitors: str = "all",
+        run_dir: str | None = None,
+        run_name: str = "lightning",
+        budget: float | None = DEFAULT_BUDGET,
+        every: int | None = None,
+    ) -> None:
+        self.monitors = parse_names(monitors)
+        self.run_dir, self.run_name, self.budget, self.every = run_dir, run_name, budget, every
+        self.run: Run | None = None
+        self.handle: MonitorHandle | None = None
+        self._steps_seen = 0
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        optimizers = [unwrap_optimizer(o) for o in trainer.optimizers]
+        if "norms" in self.monitors and len(optimizers) != 1:
+            raise UsageError(
+                f"SynclessCallback: the norms monitor hooks one optimizer; this trainer "
+                f"has {len(optimizers)}: leave norms out of monitors="
+            )
+        self.run = Run(name=self.run_name, run_dir=self.run_dir)
+        built = build(self.monitors, optimizer=optimizers[0] if optimizers else None,
+                      every=self.every)  # fmt: skip
+        self.handle = attach(monitored_model(pl_module), built, run=self.run, budget=self.budget)
+        self._steps_seen = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.handle is None:
+            return
+        stepped = trainer.global_step != self._steps_seen
+        self._steps_seen = trainer.global_step
+        self.handle.step(trainer.global_step - 1, accumulate=not stepped)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self.handle is not None:
+            self.handle.close()  # kept: its counters and last readouts stay readable
+        if self.run is not None:
+            self.run.close()

@@ -1,0 +1,70 @@
+"""The Lightning callback, through examples/lightning_trainer.py (issue #20).
+
+Ground truth: the test's own optimizer pre-step hook, registered after syncless's,
+reads decoder layer 0's parameters and gradients in float64 at every optimizer step
+(after Lightning's gradient clipping, before the update). The run accumulates
+gradients over 2 batches: the callback must flush once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+lightning = pytest.importorskip("lightning")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from syncless.run import open as open_run  # noqa: E402
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "lightning_trainer.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("lightning_trainer_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Truth(lightning.pytorch.callbacks.Callback):
+    def __init__(self) -> None:
+        self.norms: list[tuple[float, float]] = []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        layer = pl_module.model.model.layers[0]
+
+        def pre_step(opt, a, kw):
+            params = torch.cat([p.detach().double().flatten() for p in layer.parameters()])
+            grads = torch.cat([p.grad.double().flatten() for p in layer.parameters()])
+            self.norms.append((params.norm().item(), grads.norm().item()))
+
+        trainer.optimizers[0].register_step_pre_hook(pre_step)
+
+
+def test_the_callback_flushes_once_per_optimizer_step(tmp_path):
+    truth = _Truth()
+    argv = ["--steps", "4", "--accumulate", "2", "--run-dir", str(tmp_path / "run")]
+    callback = _example().main(argv, callbacks=(truth,))
+    assert len(truth.norms) == 4
+    with open_run(callback.run.dir) as store:
+        _, rows = store.query(
+            "SELECT step, name, value FROM metrics WHERE name IN "
+            "('monitors/layer_00/param_norm', 'monitors/layer_00/grad_norm') ORDER BY step"
+        )
+        _, steps = store.query(
+            "SELECT DISTINCT step FROM metrics WHERE name = 'monitors/self/flush_host_ms'"
+        )
+    got = {(step, name.rsplit("/", 1)[1]): value for step, name, value in rows}
+    assert got  # the norms ran at least once (the budget sets how often)
+    for step, quantity in got:
+        param, grad = truth.norms[step]
+        want = param if quantity == "param_norm" else grad
+        assert math.isclose(got[step, quantity], want, rel_tol=1e-5)
+    # 8 batches: 4 optimizer steps flushed, 4 micro-batches accumulated
+    assert (callback.handle.optimizer_steps, callback.handle.micro_steps) == (4, 4)
+    assert {s for (s,) in steps} <= {0, 1, 2, 3}  # labelled by optimizer step
