@@ -54,6 +54,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from syncless.cuda_driver import stream_capturing
+
 DEFAULT_BUDGET = 0.01
 PLANNED = 0.75  # of the budget given to the measured costs; the rest is headroom
 MAX_EVERY = 1000
@@ -137,14 +139,20 @@ class Budget:
 
     # -- hot path: around each hook call of a timed monitor -------------------------
 
-    def begin(self) -> torch.cuda.Event:
+    def begin(self) -> torch.cuda.Event | None:
+        """Open a span; ``None`` under CUDA graph capture, where a timing event cannot
+        be recorded (the replayed graph is not what the budget measures)."""
+        if stream_capturing():
+            return None
         start = self._event()
         start.record()
         return start
 
-    def end(self, monitor: str, start: torch.cuda.Event, weight: float = 1.0) -> None:
+    def end(self, monitor: str, start: torch.cuda.Event | None, weight: float = 1.0) -> None:
         """Close the span ``begin`` opened; ``weight``: the share billed to ``monitor``
         (a read shared by two monitors bills each half of one span)."""
+        if start is None:
+            return
         stop = self._event()
         stop.record()
         self._spans.setdefault(monitor, []).append((start, stop, weight))
