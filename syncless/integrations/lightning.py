@@ -27,11 +27,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from syncless.errors import UsageError
-from syncless.integrations.transformers import unwrap_optimizer
-from syncless.monitors import MonitorHandle, attach, build, parse_names
+from syncless.integrations.session import MonitorSession, unwrap_optimizer
 from syncless.monitors.adapters import find_layers
 from syncless.monitors.budget import DEFAULT_BUDGET
-from syncless.run import Run
 
 
 def monitored_model(module: torch.nn.Module) -> torch.nn.Module:
@@ -48,10 +46,9 @@ def monitored_model(module: torch.nn.Module) -> torch.nn.Module:
     )
 
 
-class SynclessCallback(Callback):
-    """``monitors``: ``"all"`` or a comma list; ``run_dir``: the run directory
-    (default ``runs/<time>-<run_name>``); ``budget``: the share of the step the
-    monitors may cost (``None``: fixed cadences); ``every``: the fastest cadence."""
+class SynclessCallback(MonitorSession, Callback):
+    """The monitors in a Lightning ``Trainer`` (module doc); arguments as
+    ``MonitorSession``'s."""
 
     def __init__(
         self,
@@ -61,23 +58,17 @@ class SynclessCallback(Callback):
         budget: float | None = DEFAULT_BUDGET,
         every: int | None = None,
     ) -> None:
-        self.monitors = parse_names(monitors)
-        self.run_dir, self.run_name, self.budget, self.every = run_dir, run_name, budget, every
-        self.run: Run | None = None
-        self.handle: MonitorHandle | None = None
+        super().__init__(monitors, run_dir, run_name, budget, every)
         self._steps_seen = 0
 
     def on_fit_start(self, trainer, pl_module) -> None:
         optimizers = [unwrap_optimizer(o) for o in trainer.optimizers]
-        if "norms" in self.monitors and len(optimizers) != 1:
+        if "norms" in self.monitors and len(optimizers) > 1:
             raise UsageError(
                 f"SynclessCallback: the norms monitor hooks one optimizer; this trainer "
                 f"has {len(optimizers)}: leave norms out of monitors="
             )
-        self.run = Run(name=self.run_name, run_dir=self.run_dir)
-        built = build(self.monitors, optimizer=optimizers[0] if optimizers else None,
-                      every=self.every)  # fmt: skip
-        self.handle = attach(monitored_model(pl_module), built, run=self.run, budget=self.budget)
+        self.open(monitored_model(pl_module), optimizers[0] if optimizers else None)
         self._steps_seen = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -88,7 +79,4 @@ class SynclessCallback(Callback):
         self.handle.step(trainer.global_step - 1, accumulate=not stepped)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        if self.handle is not None:
-            self.handle.close()  # kept: its counters and last readouts stay readable
-        if self.run is not None:
-            self.run.close()
+        self.close()

@@ -22,41 +22,15 @@ the norm of every gradient (embeddings and head included) *before* clipping.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 from transformers import TrainerCallback
 
-from syncless.monitors import MonitorHandle, attach, build, parse_names
+from syncless.integrations.session import MonitorSession, unwrap_model, unwrap_optimizer
 from syncless.monitors.budget import DEFAULT_BUDGET
-from syncless.run import Run
 
 
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The model under DDP / Accelerate / torch.compile wrappers (``module``,
-    ``_orig_mod``)."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
-
-
-def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer under Accelerate's ``AcceleratedOptimizer`` (``optimizer``).
-
-    The wrapper subclasses ``torch.optim.Optimizer`` without its hook tables, so it is
-    unwrapped by attribute, not by type."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-
-
-class SynclessCallback(TrainerCallback):
-    """``monitors``: ``"all"`` or a comma list (``syncless.monitors.build``);
-    ``run_dir``: the run directory (default ``runs/<time>-<run_name>``); ``budget``:
-    the share of the step the monitors may cost (``None``: fixed cadences);
-    ``every``: the fastest cadence (default: each monitor's own)."""
+class SynclessCallback(MonitorSession, TrainerCallback):
+    """The monitors in a Hugging Face ``Trainer`` (module doc); arguments as
+    ``MonitorSession``'s."""
 
     def __init__(
         self,
@@ -66,34 +40,15 @@ class SynclessCallback(TrainerCallback):
         budget: float | None = DEFAULT_BUDGET,
         every: int | None = None,
     ) -> None:
-        self.monitors = parse_names(monitors)  # a clear error now, not at train begin
-        self.run_dir = run_dir
-        self.run_name = run_name
-        self.budget = budget
-        self.every = every
-        self.run: Run | None = None
-        self.handle: MonitorHandle | None = None
+        super().__init__(monitors, run_dir, run_name, budget, every)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        model = unwrap_model(model)
-        real_optimizer = unwrap_optimizer(optimizer)
-        names = self.monitors
-        if "norms" in names and real_optimizer is None:
-            raise RuntimeError(
-                "SynclessCallback: the norms monitor needs the optimizer, and the Trainer "
-                "passed none to on_train_begin; leave norms out of monitors="
-            )
         config = {"trainer": {k: str(v) for k, v in args.to_dict().items()}}
-        self.run = Run(name=self.run_name, run_dir=self.run_dir, config=config)
-        built = build(names, optimizer=real_optimizer, every=self.every)
-        self.handle = attach(model, built, run=self.run, budget=self.budget)
+        self.open(unwrap_model(model), unwrap_optimizer(optimizer), config)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.handle is not None:
             self.handle.step(state.global_step - 1)  # global_step counts finished steps
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.handle is not None:
-            self.handle.close()  # kept: its counters and last readouts stay readable
-        if self.run is not None:
-            self.run.close()
+        self.close()

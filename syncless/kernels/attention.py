@@ -44,7 +44,7 @@ import triton.language as tl
 from syncless.hot_path import hot_path
 from syncless.kernels import interpreting
 from syncless.kernels.attention_config import QKConfig, config_for, fp32_precision
-from syncless.kernels.rope import rounded
+from syncless.kernels.rope import cos_strides, rounded
 
 _LOG2E = math.log2(math.e)
 _LN2: tl.constexpr = tl.constexpr(math.log(2.0))
@@ -286,26 +286,27 @@ def _qk_stats_grouped_kernel(
 
 def _launch_args(
     q: torch.Tensor,
-    k: torch.Tensor,
     q_rope: tuple[torch.Tensor, torch.Tensor] | None,
     compute_dtype: torch.dtype | None,
     config: QKConfig | None,
 ) -> tuple[tuple, dict]:
     """Pointers and strides of cos/sin, and the constexprs every launch shares."""
     compute = compute_dtype or q.dtype
-    precision = fp32_precision() if compute == torch.float32 else "tf32"
-    # The CPU interpreter (CI) multiplies bfloat16 bit patterns as integers: round to
-    # the compute dtype, then upcast there.
-    upcast = interpreting() and compute == torch.bfloat16
-    if upcast or interpreting():
+    # The CPU interpreter (CI) computes the dot in numpy and multiplies bfloat16 bit
+    # patterns as integers: round to the compute dtype, then upcast there.
+    interp = interpreting()
+    upcast = interp and compute == torch.bfloat16
+    if interp:
         precision = "ieee"
+    elif compute == torch.float32:
+        precision = fp32_precision()
+    else:
+        precision = "tf32"  # not read for bf16/fp16 operands
     if q_rope is None:
         rope_args: tuple = (q, q, 0, 0, 0)  # never read (ROPE is off)
     else:
         cos, sin = q_rope
-        # [B or 1, L, D]: a batch of one broadcasts (stride 0).
-        scb = 0 if cos.shape[0] == 1 else cos.stride(0)
-        rope_args = (cos, sin, scb, cos.stride(1), cos.stride(2))
+        rope_args = (cos, sin, *cos_strides(cos))
     cfg = config or config_for(q.shape[3])
     constexprs = {
         "HEAD_DIM": q.shape[3],
@@ -346,7 +347,7 @@ def qk_stats_partials(
     b, h, q_len, _ = q.shape
     hkv, k_len = k.shape[1], k.shape[2]
     n_rows = (q_len - phase + stride - 1) // stride
-    rope_args, meta = _launch_args(q, k, q_rope, compute_dtype, config)
+    rope_args, meta = _launch_args(q, q_rope, compute_dtype, config)
     n_rb = triton.cdiv(n_rows, meta["BLOCK_M"])
     out = torch.empty((b * n_rb, 2 * h + 1), dtype=torch.float32, device=q.device)
     cos, sin, scb, scl, scd = rope_args
@@ -380,7 +381,7 @@ def qk_stats_partials_grouped(
     dtypes and strides; every offset a multiple of 16 bytes (``LayerBatch`` checks)."""
     b, h, q_len, _ = q.shape
     hkv, k_len = k.shape[1], k.shape[2]
-    rope_args, meta = _launch_args(q, k, q_rope, compute_dtype, config)
+    rope_args, meta = _launch_args(q, q_rope, compute_dtype, config)
     n_rb = triton.cdiv(q_len, meta["BLOCK_M"])
     width = 2 * h + 1
     out = torch.empty((b * n_rb, n_layers * width), dtype=torch.float32, device=q.device)

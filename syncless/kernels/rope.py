@@ -68,6 +68,12 @@ def _rotate_kernel(
     tl.store(out_base + d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def cos_strides(cos: torch.Tensor) -> tuple[int, int, int]:
+    """Batch, position and dim strides of cos/sin ``[B or 1, L, D]``: a batch of one
+    broadcasts (stride 0)."""
+    return (0 if cos.shape[0] == 1 else cos.stride(0)), cos.stride(1), cos.stride(2)
+
+
 @hot_path
 def rotate(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype
@@ -76,9 +82,8 @@ def rotate(
     as a new contiguous ``[B, H, L, D]`` tensor of ``out_dtype``."""
     b, h, length, head_dim = x.shape
     out = torch.empty((b, h, length, head_dim), dtype=out_dtype, device=x.device)
-    scb = 0 if cos.shape[0] == 1 else cos.stride(0)
     _rotate_kernel[(triton.cdiv(length, _BLOCK_L), b * h)](
-        x, cos, sin, out, *x.stride(), scb, cos.stride(1), cos.stride(2), h, length,
+        x, cos, sin, out, *x.stride(), *cos_strides(cos), h, length,
         HEAD_DIM=head_dim, BLOCK_L=_BLOCK_L, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         EMULATE_BF16=interpreting() and out_dtype == torch.bfloat16,
     )  # fmt: skip

@@ -126,7 +126,7 @@ class Budget:
         self.step_ms: float | None = None
         self.timing: frozenset[str] = frozenset()  # monitors timed in the current step
         self.dropped_steps = 0  # timed steps the GPU had not passed after _PENDING_STEPS
-        self._cuda = torch.device(device).type == "cuda"
+        self._cuda = self._device.type == "cuda"
         self._active_steps = dict.fromkeys(fastest, 0)
         self._costs: dict[str, deque[float]] = {m: deque(maxlen=WINDOW) for m in fastest}
         self._periods: deque[float] = deque(maxlen=WINDOW)

@@ -374,7 +374,8 @@ def _backward_signal(handle: MonitorHandle):
     forward)."""
 
     def hook(module: nn.Module, args: object, output: object) -> None:
-        if recomputing():  # a checkpoint's recompute runs inside the backward already
+        # A checkpoint's recompute runs inside the backward already (traced: not asked).
+        if not torch.compiler.is_compiling() and recomputing():
             return
         # The output's Python type, not a tensor value: a structural branch.
         out = output[0] if isinstance(output, (tuple, list)) else output

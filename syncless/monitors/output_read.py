@@ -97,19 +97,22 @@ def _shared_hook(
         a, n = acts.active, nonf.active
         if not (a or n):
             return
-        if recomputing():  # activation checkpointing: measured in the real forward
-            ctx.recompute_skips[acts.name] = ctx.recompute_skips.get(acts.name, 0) + 1
+        # Traced by torch.compile: no clock read, no timing event, no engine query (each
+        # would break the graph). Otherwise an activation-checkpointing recompute skips.
+        traced = torch.compiler.is_compiling()
+        if not traced and recomputing():
+            skips = ctx.recompute_skips
+            for m in [acts.name] * a + [nonf.name] * n:
+                skips[m] = skips.get(m, 0) + 1
             return
-        if torch.compiler.is_compiling():  # no clock reads in a traced graph
-            if not (a and acts_record(hidden)) and n:
-                nonf_record(hidden)
-            return
-        start = clock()
+        start = 0 if traced else clock()
         budget = ctx.budget
         timed = budget is not None and (acts.name in budget.timing or nonf.name in budget.timing)
-        span = budget.begin() if timed else None  # type: ignore[union-attr]
+        span = budget.begin() if timed and not traced else None  # type: ignore[union-attr]
         if not (a and acts_record(hidden)) and n:
             nonf_record(hidden)
+        if traced:
+            return
         if span is not None:  # the shared read's device time, half each when both ran
             for m in [acts.name] * a + [nonf.name] * n:
                 budget.end(m, span, weight=1.0 / (a + n))  # type: ignore[union-attr]

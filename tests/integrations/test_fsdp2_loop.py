@@ -4,24 +4,19 @@ gradient accumulation, every monitor attached (issue #20)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from integration_helpers import load_example
 
 from syncless.run import open as open_run
 from syncless.testing import spawn_gloo
 
 pytest.importorskip("transformers")
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "fsdp2_loop.py"
-
 
 def _rank(rank: int, world: int, run_dir: str) -> str:
-    spec = importlib.util.spec_from_file_location("fsdp2_loop", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(["--compile-backend", "aot_eager", "--run-dir", run_dir, "--steps", "3"])
+    return load_example("fsdp2_loop").main(
+        ["--compile-backend", "aot_eager", "--run-dir", run_dir, "--steps", "3"]
+    )
 
 
 @pytest.mark.dist

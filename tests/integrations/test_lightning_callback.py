@@ -8,27 +8,15 @@ gradients over 2 batches: the callback must flush once per optimizer step.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
+from integration_helpers import load_example, record_layer_norms
 
 lightning = pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
-import torch  # noqa: E402
-
 from syncless.run import open as open_run  # noqa: E402
-
-EXAMPLE = Path(__file__).parents[2] / "examples" / "lightning_trainer.py"
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("lightning_trainer_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class _Truth(lightning.pytorch.callbacks.Callback):
@@ -36,20 +24,13 @@ class _Truth(lightning.pytorch.callbacks.Callback):
         self.norms: list[tuple[float, float]] = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        layer = pl_module.model.model.layers[0]
-
-        def pre_step(opt, a, kw):
-            params = torch.cat([p.detach().double().flatten() for p in layer.parameters()])
-            grads = torch.cat([p.grad.double().flatten() for p in layer.parameters()])
-            self.norms.append((params.norm().item(), grads.norm().item()))
-
-        trainer.optimizers[0].register_step_pre_hook(pre_step)
+        record_layer_norms(pl_module.model.model.layers[0], trainer.optimizers[0], self.norms)
 
 
 def test_the_callback_flushes_once_per_optimizer_step(tmp_path):
     truth = _Truth()
     argv = ["--steps", "4", "--accumulate", "2", "--run-dir", str(tmp_path / "run")]
-    callback = _example().main(argv, callbacks=(truth,))
+    callback = load_example("lightning_trainer").main(argv, callbacks=(truth,))
     assert len(truth.norms) == 4
     with open_run(callback.run.dir) as store:
         _, rows = store.query(

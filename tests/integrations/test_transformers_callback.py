@@ -9,28 +9,16 @@ the run uses gradient accumulation.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
+from integration_helpers import load_example, record_layer_norms
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import torch  # noqa: E402
-
-from syncless.integrations.transformers import unwrap_optimizer  # noqa: E402
+from syncless.integrations.session import unwrap_optimizer  # noqa: E402
 from syncless.run import open as open_run  # noqa: E402
-
-EXAMPLE = Path(__file__).parents[2] / "examples" / "hf_trainer.py"
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("hf_trainer_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class _Truth(transformers.TrainerCallback):
@@ -38,23 +26,16 @@ class _Truth(transformers.TrainerCallback):
         self.norms: list[tuple[float, float]] = []
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        layer = model.model.layers[0]
         real = unwrap_optimizer(optimizer)
         assert real is not optimizer  # Accelerate wrapped it: the case that broke
-
-        def pre_step(opt, a, kw):
-            params = torch.cat([p.detach().double().flatten() for p in layer.parameters()])
-            grads = torch.cat([p.grad.double().flatten() for p in layer.parameters()])
-            self.norms.append((params.norm().item(), grads.norm().item()))
-
-        real.register_step_pre_hook(pre_step)
+        record_layer_norms(model.model.layers[0], real, self.norms)
 
 
 def test_the_callback_records_every_optimizer_steps_norms(tmp_path):
     truth = _Truth()
     argv = ["--steps", "4", "--accumulate", "2", "--output-dir", str(tmp_path / "out"),
             "--run-dir", str(tmp_path / "run")]  # fmt: skip
-    callback = _example().main(argv, callbacks=(truth,))
+    callback = load_example("hf_trainer").main(argv, callbacks=(truth,))
     assert callback.run.dir == tmp_path / "run"
     # one flush per optimizer step; the Trainer's micro-batches never reach the handle
     assert (callback.handle.optimizer_steps, callback.handle.micro_steps) == (4, 0)

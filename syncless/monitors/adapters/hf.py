@@ -37,6 +37,7 @@ tokens' keys only, not the cached ones.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from collections.abc import Callable
@@ -232,6 +233,7 @@ def _rope_function(attn: nn.Module) -> tuple[RopeFn | None, str]:
     return fn, ""
 
 
+@functools.cache  # every layer of a model shares one function: tried once
 def _is_rotate_half(rope: RopeFn) -> bool:
     """Whether ``rope(q, k, cos, sin)`` is ``x * cos + rotate_half(x) * sin`` with cos/sin
     ``[B, L, D]`` broadcast over heads: tried on random float64 inputs (cold path)."""

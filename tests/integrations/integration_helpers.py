@@ -1,0 +1,33 @@
+"""Helpers of the integration tests: load an example script, and the ground truth of a
+layer's norms at an optimizer step."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+def load_example(name: str) -> ModuleType:
+    """``examples/<name>.py`` as a module (the examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def record_layer_norms(layer: torch.nn.Module, optimizer: torch.optim.Optimizer, out: list):
+    """A pre-step hook on ``optimizer`` (registered after syncless's, so it sees what the
+    norms monitor sees: after clipping, before the update) that appends ``layer``'s
+    (parameter norm, gradient norm) in float64 to ``out`` at every optimizer step."""
+
+    def pre_step(opt, args, kwargs):
+        params = torch.cat([p.detach().double().flatten() for p in layer.parameters()])
+        grads = torch.cat([p.grad.double().flatten() for p in layer.parameters()])
+        out.append((params.norm().item(), grads.norm().item()))
+
+    optimizer.register_step_pre_hook(pre_step)
