@@ -29,7 +29,6 @@ from lightning.pytorch.callbacks import Callback
 from syncless.errors import UsageError
 from syncless.integrations.session import MonitorSession, unwrap_optimizer
 from syncless.monitors.adapters import find_layers
-from syncless.monitors.budget import DEFAULT_BUDGET
 
 
 def monitored_model(module: torch.nn.Module) -> torch.nn.Module:
@@ -50,16 +49,8 @@ class SynclessCallback(MonitorSession, Callback):
     """The monitors in a Lightning ``Trainer`` (module doc); arguments as
     ``MonitorSession``'s."""
 
-    def __init__(
-        self,
-        monitors: str = "all",
-        run_dir: str | None = None,
-        run_name: str = "lightning",
-        budget: float | None = DEFAULT_BUDGET,
-        every: int | None = None,
-    ) -> None:
-        super().__init__(monitors, run_dir, run_name, budget, every)
-        self._steps_seen = 0
+    run_name = "lightning"
+    _steps_seen = 0  # trainer.global_step at the last batch end
 
     def on_fit_start(self, trainer, pl_module) -> None:
         optimizers = [unwrap_optimizer(o) for o in trainer.optimizers]

@@ -45,16 +45,19 @@ class MonitorSession:
     ``run`` and ``handle`` exist from ``open`` on; after ``close`` the handle is kept,
     closed: its counters and last readouts stay readable."""
 
+    run_name = "run"  # the run directory's suffix; each framework's callback names its own
+
     def __init__(
         self,
         monitors: str = "all",
         run_dir: str | None = None,
-        run_name: str = "run",
+        run_name: str | None = None,
         budget: float | None = DEFAULT_BUDGET,
         every: int | None = None,
     ) -> None:
         self.monitors = parse_names(monitors)  # a clear error now, not at train begin
-        self.run_dir, self.run_name, self.budget, self.every = run_dir, run_name, budget, every
+        self.run_dir, self.budget, self.every = run_dir, budget, every
+        self.run_name = run_name or type(self).run_name
         self.run: Run | None = None
         self.handle: MonitorHandle | None = None
 

@@ -25,22 +25,13 @@ from __future__ import annotations
 from transformers import TrainerCallback
 
 from syncless.integrations.session import MonitorSession, unwrap_model, unwrap_optimizer
-from syncless.monitors.budget import DEFAULT_BUDGET
 
 
 class SynclessCallback(MonitorSession, TrainerCallback):
     """The monitors in a Hugging Face ``Trainer`` (module doc); arguments as
     ``MonitorSession``'s."""
 
-    def __init__(
-        self,
-        monitors: str = "all",
-        run_dir: str | None = None,
-        run_name: str = "hf-trainer",
-        budget: float | None = DEFAULT_BUDGET,
-        every: int | None = None,
-    ) -> None:
-        super().__init__(monitors, run_dir, run_name, budget, every)
+    run_name = "hf-trainer"
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         config = {"trainer": {k: str(v) for k, v in args.to_dict().items()}}

@@ -31,3 +31,24 @@ def record_layer_norms(layer: torch.nn.Module, optimizer: torch.optim.Optimizer,
         out.append((params.norm().item(), grads.norm().item()))
 
     optimizer.register_step_pre_hook(pre_step)
+
+
+def assert_layer_norms(run_dir, truth: list[tuple[float, float]]) -> None:
+    """The run's ``monitors/layer_00/{param,grad}_norm`` at every step that has them (at
+    least one: the budget sets how often) equal ``truth[step]`` to 1e-5."""
+    import math
+
+    from syncless.run import open as open_run
+
+    with open_run(run_dir) as store:
+        _, rows = store.query(
+            "SELECT step, name, value FROM metrics WHERE name IN "
+            "('monitors/layer_00/param_norm', 'monitors/layer_00/grad_norm') ORDER BY step"
+        )
+    got = {(step, name.rsplit("/", 1)[1]): value for step, name, value in rows}
+    steps = sorted({step for step, _ in got})
+    assert steps
+    for step in steps:
+        param, grad = truth[step]
+        assert math.isclose(got[step, "param_norm"], param, rel_tol=1e-5)
+        assert math.isclose(got[step, "grad_norm"], grad, rel_tol=1e-5)
