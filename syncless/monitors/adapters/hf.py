@@ -37,26 +37,31 @@ tokens' keys only, not the cached ones.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from syncless.errors import UsageError
 from syncless.monitors.adapters._modules import get_path, layer_list, unwrap
+from syncless.monitors.adapters.hf_qk import (
+    QKState,
+    is_rotate_half,
+    make_attn_post_hook,
+    make_attn_pre_hook,
+    make_proj_hook,
+    make_rotary_post_hook,
+)
 from syncless.monitors.adapters.sites import (
     AttentionSite,
     LayerSite,
     ModelMap,
     QKCallback,
     RopeFn,
-    Rotary,
     RotaryQKCallback,
     RouterSite,
 )
@@ -85,15 +90,15 @@ class HFAttentionSite(AttentionSite):
     rotate_half: bool = field(default=False, repr=False)
 
     def attach_qk(self, callback: QKCallback) -> list[RemovableHandle]:
-        state = _QKState()
-        post = _make_attn_post_hook(state, self._rope(), self.head_dim, callback)
+        state = QKState()
+        post = make_attn_post_hook(state, self._rope(), self.head_dim, callback)
         return self._hooks(state, post)
 
     def attach_qk_rotary(self, callback: RotaryQKCallback) -> list[RemovableHandle]:
         if not self.rotate_half:
             return super().attach_qk_rotary(callback)
-        state = _QKState()
-        post = _make_rotary_post_hook(state, self._rope(), self.head_dim, callback)
+        state = QKState()
+        post = make_rotary_post_hook(state, self._rope(), self.head_dim, callback)
         return self._hooks(state, post)
 
     def _rope(self) -> RopeFn:
@@ -105,14 +110,14 @@ class HFAttentionSite(AttentionSite):
             )
         return self.rope
 
-    def _hooks(self, state: _QKState, post_hook: Callable[..., None]) -> list[RemovableHandle]:
+    def _hooks(self, state: QKState, post_hook: Callable[..., None]) -> list[RemovableHandle]:
         attn = self.module
         q_src = _submodule(attn, "q_norm") or attn.q_proj
         k_src = _submodule(attn, "k_norm") or attn.k_proj
         return [
-            attn.register_forward_pre_hook(_make_attn_pre_hook(state), with_kwargs=True),
-            q_src.register_forward_hook(_make_proj_hook(state, "q")),
-            k_src.register_forward_hook(_make_proj_hook(state, "k")),
+            attn.register_forward_pre_hook(make_attn_pre_hook(state), with_kwargs=True),
+            q_src.register_forward_hook(make_proj_hook(state, "q")),
+            k_src.register_forward_hook(make_proj_hook(state, "k")),
             attn.register_forward_hook(post_hook),
         ]
 
@@ -200,7 +205,7 @@ def _map_block(block: nn.Module, index: int, model_config: Any) -> LayerSite:
         sliding_window=_sliding_window(attn, config, index),
         rope=rope,
         rope_problem=problem,
-        rotate_half=rope is not None and _is_rotate_half(rope),
+        rotate_half=rope is not None and is_rotate_half(rope),
     )
     mlp = next((m for a in _MOE_ATTRS if isinstance(m := getattr(inner, a, None), nn.Module)), None)
     return LayerSite(
@@ -231,25 +236,6 @@ def _rope_function(attn: nn.Module) -> tuple[RopeFn | None, str]:
             "softmax are not the rotated projections this adapter rebuilds."
         )
     return fn, ""
-
-
-@functools.cache  # every layer of a model shares one function: tried once
-def _is_rotate_half(rope: RopeFn) -> bool:
-    """Whether ``rope(q, k, cos, sin)`` is ``x * cos + rotate_half(x) * sin`` with cos/sin
-    ``[B, L, D]`` broadcast over heads: tried on random float64 inputs (cold path)."""
-    g = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(1, h, 3, 8, generator=g, dtype=torch.float64) for h in (2, 1))
-    cos, sin = (torch.randn(1, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
-
-    def reference(x: Tensor) -> Tensor:
-        turned = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
-        return x * cos[:, None] + turned * sin[:, None]
-
-    try:
-        q_out, k_out = rope(q, k, cos, sin)
-    except Exception:  # another signature or convention: the recompute path stays
-        return False
-    return bool(torch.allclose(q_out, reference(q)) and torch.allclose(k_out, reference(k)))
 
 
 def _sliding_window(attn: nn.Module, config: Any, index: int) -> int | None:
@@ -314,94 +300,3 @@ def _router(mlp: nn.Module | None, config: Any, index: int) -> RouterSite | None
         # (older versions) returns the logits.
         logits_index=None if isinstance(gate, nn.Linear) else 0,
     )
-
-
-class _QKState:
-    """What one attention forward's hooks hand to each other (plain attributes)."""
-
-    __slots__ = ("cos", "k", "q", "shape", "sin")
-
-    def __init__(self) -> None:
-        self.clear()
-
-    def clear(self) -> None:
-        self.shape: tuple[int, ...] = ()
-        self.cos: Tensor | None = None
-        self.sin: Tensor | None = None
-        self.q: Tensor | None = None
-        self.k: Tensor | None = None
-
-
-def _make_attn_pre_hook(
-    state: _QKState,
-) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
-    def attn_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        state.clear()
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        state.shape = tuple(hidden.shape[:-1])
-        embeddings = kwargs.get("position_embeddings")
-        if embeddings is None and len(args) > 1:
-            embeddings = args[1]
-        if embeddings is None:
-            raise RuntimeError(
-                f"syncless huggingface adapter: {type(module).__name__} was called without "
-                "position_embeddings=(cos, sin); this transformers version computes RoPE "
-                "inside the attention, which the adapter does not support (transformers "
-                ">= 4.48 passes position_embeddings)"
-            )
-        state.cos, state.sin = embeddings
-
-    return attn_pre_hook
-
-
-def _make_proj_hook(
-    state: _QKState, slot: str
-) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], None]:
-    def proj_hook(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
-        setattr(state, slot, output.detach())
-
-    return proj_hook
-
-
-def _take_unrotated(state: _QKState, head_dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """This forward's q, k (unrotated), cos and sin; the state lets go of them."""
-    # The model's own reshape: view(*input_shape, -1, head_dim).transpose(1, 2).
-    q = state.q.view(*state.shape, -1, head_dim).transpose(1, 2)  # type: ignore[union-attr]
-    k = state.k.view(*state.shape, -1, head_dim).transpose(1, 2)  # type: ignore[union-attr]
-    cos, sin = state.cos.detach(), state.sin.detach()  # type: ignore[union-attr]
-    state.clear()  # drop the references until the next forward
-    return q, k, cos, sin
-
-
-def _make_attn_post_hook(
-    state: _QKState, rope: RopeFn, head_dim: int, callback: QKCallback
-) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
-    def attn_post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        q, k, cos, sin = _take_unrotated(state, head_dim)
-        callback(*rope(q, k, cos, sin))
-
-    return attn_post_hook
-
-
-def _make_rotary_post_hook(
-    state: _QKState, rope: RopeFn, head_dim: int, callback: RotaryQKCallback
-) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
-    def attn_post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        q, k, cos, sin = _take_unrotated(state, head_dim)
-        # Shapes and strides only (host metadata): the kernels read cos/sin as [B or 1,
-        # L, D] sharing one layout; anything else (partial rotary, another layout) gets
-        # the model's own rotation here instead.
-        if (
-            cos.dim() == 3
-            and cos.shape[1:] == (q.shape[2], head_dim)
-            and cos.shape[0] in (1, q.shape[0])
-            and sin.shape == cos.shape
-            and sin.stride() == cos.stride()
-            and k.shape[2] == q.shape[2]
-        ):
-            callback(q, k, Rotary(cos, sin, rope))
-        else:
-            q, k = rope(q, k, cos, sin)
-            callback(q, k, None)
-
-    return attn_post_hook

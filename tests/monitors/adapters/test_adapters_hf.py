@@ -199,7 +199,7 @@ def test_rotary_hook_hands_unrotated_qk_the_models_rotation_turns_into_attach_qk
 
 
 def test_another_rotation_convention_is_not_taken_for_rotate_half() -> None:
-    from syncless.monitors.adapters.hf import _is_rotate_half
+    from syncless.monitors.adapters.hf_qk import is_rotate_half
 
     def interleaved(q, k, cos, sin):  # GPT-J / GLM style: pairs (0, 1), (2, 3), ...
         def turn(x):
@@ -211,9 +211,9 @@ def test_another_rotation_convention_is_not_taken_for_rotate_half() -> None:
     model_rope = type(build("llama").model.layers[0].self_attn).__module__
     import sys
 
-    assert _is_rotate_half(sys.modules[model_rope].apply_rotary_pos_emb)
-    assert not _is_rotate_half(interleaved)
-    assert not _is_rotate_half(lambda q, k: (q, k))  # another signature
+    assert is_rotate_half(sys.modules[model_rope].apply_rotary_pos_emb)
+    assert not is_rotate_half(interleaved)
+    assert not is_rotate_half(lambda q, k: (q, k))  # another signature
 
 
 def test_qk_with_sdpa_reproduce_the_attention_output(hook_guard) -> None:
