@@ -123,6 +123,26 @@ class MetricSet:
     def specs(self) -> list[MetricSpec]:
         return [s.spec for s in self._slots.values()]
 
+    def layer_specs(self, area: str, name: str) -> dict[int, MetricSpec]:
+        """Layer -> spec of the layer metric ``area/layer_XX/name``, sorted by layer.
+
+        Over the allocated schema: every rank's layers, not only the ones declared
+        here (pipeline stages hold different layers). A monitor's ``derive`` runs on
+        rank 0 over the cluster-wide readout, so it builds its tables from this.
+        """
+        if not self._locked:
+            raise RuntimeError(
+                f"layer_specs({area!r}, {name!r}) before allocate(): the layers of other "
+                "ranks are known only once allocate() agreed on the schema; call it from "
+                "a monitor's attach(), not prepare()"
+            )
+        found = {
+            s.layer: s
+            for s in self._specs
+            if s.layer is not None and s.area == area and s.name == name
+        }
+        return dict(sorted(found.items()))
+
     # -- allocation ----------------------------------------------------------------
 
     def allocate(self, device: torch.device | str) -> None:

@@ -50,9 +50,11 @@ class ActivationsMonitor:
         self.thresholds = tuple(sorted(float(t) for t in thresholds))
         self.channel_shard = channel_shard
         self._slots: dict[int, Slot] = {}
-        self._layers: list[int] = []
-        # per layer: (channel key, absmax key, ratio key, threshold count keys)
-        self._keys: dict[int, tuple[str, str, str, list[str]]] = {}
+        self._layers: list[int] = []  # the layers this rank holds
+        # Derive's tables over every rank's layers (attach): each layer's channel key,
+        # and its derived names (absmax, ratio, one count per threshold).
+        self._channel_keys: tuple[str, ...] = ()
+        self._derived_names: list[list[str]] = []
         self._batch: LayerBatch | None = None
         # One read shared with the nonfinite monitor (syncless.monitors.output_read).
         self._shared: LayerBatch | None = None
@@ -75,21 +77,17 @@ class ActivationsMonitor:
                 emit_elements=False,
             )  # fmt: skip
             self._layers.append(site.index)
-            scope = f"{AREA}/layer_{site.index:02d}"
-            self._keys[site.index] = (
-                f"{scope}/{NAME}",
-                f"{scope}/act_absmax",
-                f"{scope}/act_max_median_ratio",
-                [
-                    f"{scope}/act_channels_above_{_threshold_label(t)}_count"
-                    for t in self.thresholds
-                ],
-            )
 
     def attach(self, ctx: MonitorContext) -> None:
-        self._channel_keys = tuple(self._keys[i][0] for i in self._layers)
-        # per layer, in derive's table order: absmax, ratio, one count per threshold
-        self._derived_names = [[k[1], k[2], *k[3]] for k in (self._keys[i] for i in self._layers)]
+        # Over every rank's layers (the allocated union): pipeline stages hold other
+        # layers, and rank 0 derives for all of them. Thresholds agree across ranks.
+        specs = ctx.metrics.layer_specs(AREA, NAME)
+        self._channel_keys = tuple(spec.key for spec in specs.values())
+        counts = [f"act_channels_above_{_threshold_label(t)}_count" for t in self.thresholds]
+        names = ("act_absmax", "act_max_median_ratio", *counts)  # derive's table order
+        self._derived_names = [
+            [f"{AREA}/{spec.scope}/{n}" for n in names] for spec in specs.values()
+        ]
         groups: dict[int, SlotGroup] = {}
         for site in ctx.model.layers:
             slot = self._slots[site.index]
@@ -141,7 +139,7 @@ class ActivationsMonitor:
         readout when the layers' vectors sit back to back); per-layer loops cost ~1 ms
         per flush on the demo's large preset, on the training thread.
         """
-        if not self._layers:
+        if not self._channel_keys:
             return {}
         channels, present = readout.stack(self._channel_keys)
         full = present.all(axis=1)  # a layer no forward recorded in this step is skipped

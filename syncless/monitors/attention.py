@@ -21,13 +21,15 @@ logits it uses every ``stride``-th query row (:mod:`syncless.monitors.attention_
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
 from syncless import kernels
 from syncless.errors import UsageError
 from syncless.hot_path import hot_path
-from syncless.metrics import Readout, Slot, layer_scope
+from syncless.metrics import Readout, Slot
 from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.adapters import AttentionSite, Rotary
 from syncless.monitors.attention_stats import (
@@ -82,8 +84,8 @@ class AttentionMonitor:
         self._batch: LayerBatch | None = None
         self.max_elements = max_elements
         self.plans = PlanCache(max_elements)
-        self._recorders: dict[int, _LayerRecorder] = {}
-        self._keys: dict[int, tuple[str, str]] = {}  # per layer: (max key, entropy key)
+        self._recorders: dict[int, _LayerRecorder] = {}  # the layers this rank holds
+        self._groups: list[_HeadGroup] = []  # derive's tables, over every rank's layers
         self._frac: Slot | None = None
 
     def prepare(self, ctx: MonitorContext) -> None:
@@ -96,13 +98,12 @@ class AttentionMonitor:
                 AREA, ENTROPY, "mean", size=site.n_heads, layer=site.layer, element="head"
             )
             self._recorders[site.layer] = _LayerRecorder(self, site, logit_max, entropy)
-            scope = f"{AREA}/{layer_scope(site.layer)}"
-            self._keys[site.layer] = (f"{scope}/{LOGIT_MAX}", f"{scope}/{ENTROPY}")
         if self._recorders:
             self._frac = ctx.metrics.declare(AREA, SAMPLED_FRAC, "mean")
 
     def attach(self, ctx: MonitorContext) -> None:
         assert self._frac is not None or not self._recorders
+        self._groups = _head_groups(ctx)
         for site in ctx.model.attention:
             recorder = self._recorders[site.layer]
             recorder.frac = self._frac
@@ -174,23 +175,55 @@ class AttentionMonitor:
         nothing else is not a candidate.
         """
         out: dict[str, float] = {}
-        if not self._keys:
-            return out
-        layers = list(self._keys)
-        maxima, present = readout.stack(tuple(k[0] for k in self._keys.values()))
-        usable = present & ~np.isnan(maxima)
-        if usable.any():
-            per_layer = np.where(usable, maxima, -np.inf).max(axis=1)
-            per_layer[~usable.any(axis=1)] = np.nan  # nanargmax skips these layers
-            out[f"{AREA}/global/{LOGIT_MAX}_layer"] = float(layers[int(np.nanargmax(per_layer))])
-        entropy, present = readout.stack(tuple(k[1] for k in self._keys.values()))
-        usable = present & ~np.isnan(entropy)
-        if usable.any():
-            out[f"{AREA}/global/{ENTROPY}_head_min"] = float(entropy[usable].min())
+        layers: list[int] = []
+        tops: list[np.ndarray] = []
+        lowest: list[float] = []
+        for group in self._groups:
+            maxima, present = readout.stack(group.maxima)
+            usable = present & ~np.isnan(maxima)
+            top = np.where(usable, maxima, -np.inf).max(axis=1)
+            top[~usable.any(axis=1)] = np.nan  # nanargmax skips these layers
+            layers += group.layers
+            tops.append(top)
+            entropy, present = readout.stack(group.entropy)
+            usable = present & ~np.isnan(entropy)
+            if usable.any():
+                lowest.append(float(entropy[usable].min()))
+        top = np.concatenate(tops) if tops else np.empty(0)
+        if not np.isnan(top).all():
+            out[f"{AREA}/global/{LOGIT_MAX}_layer"] = float(layers[int(np.nanargmax(top))])
+        if lowest:
+            out[f"{AREA}/global/{ENTROPY}_head_min"] = min(lowest)
         return out
 
     def close(self) -> None:
         self.plans.clear()
+
+
+class _HeadGroup(NamedTuple):
+    """The attention layers of every rank with one head count, stacked at flush."""
+
+    layers: list[int]
+    maxima: tuple[str, ...]  # each layer's max-logit key
+    entropy: tuple[str, ...]  # each layer's entropy key
+
+
+def _head_groups(ctx: MonitorContext) -> list[_HeadGroup]:
+    """Derive's tables over the allocated union of layers: pipeline stages hold other
+    layers, and rank 0 derives for all of them."""
+    maxima = ctx.metrics.layer_specs(AREA, LOGIT_MAX)
+    entropy = ctx.metrics.layer_specs(AREA, ENTROPY)
+    by_width: dict[int, list[int]] = {}
+    for layer, spec in maxima.items():
+        by_width.setdefault(spec.size, []).append(layer)
+    return [
+        _HeadGroup(
+            layers,
+            tuple(maxima[layer].key for layer in layers),
+            tuple(entropy[layer].key for layer in layers),
+        )
+        for layers in by_width.values()
+    ]
 
 
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:

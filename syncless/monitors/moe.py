@@ -26,13 +26,21 @@ import torch
 
 from syncless import kernels
 from syncless.hot_path import hot_path
-from syncless.metrics import Readout, Slot, layer_scope
+from syncless.metrics import MetricSpec, Readout, Slot
 from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.adapters import RouterSite
 from syncless.monitors.base import AREA, MonitorContext, check_every
 from syncless.monitors.layer_batch import LayerBatch, launch_mode
 
 SCORES = ("softmax", "sigmoid")
+TOKENS = "moe_tokens_count"
+# Derived per layer at flush, in this order: imbalance, cv, entropy fraction, dead experts.
+DERIVED = (
+    "moe_imbalance",
+    "moe_load_cv",
+    "moe_utilization_entropy_frac",
+    "moe_dead_experts_count",
+)
 
 
 class RouterStats(NamedTuple):
@@ -149,39 +157,37 @@ class _DeadWindow:
 
 @dataclass
 class _WidthGroup:
-    """The MoE layers with one expert count: derived together from one stacked array."""
+    """The MoE layers of every rank with one expert count: derived together from one
+    stacked array."""
 
-    layers: list[_RouterLayer]
+    keys: tuple[str, ...]  # each layer's token-count key
+    names: list[tuple[str, ...]]  # each layer's derived names, in derive's table order
     window: _DeadWindow
-    keys: tuple[str, ...] = ()
-    names: list[tuple[str, ...]] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.keys = tuple(layer.key for layer in self.layers)
-        self.names = [layer.derived for layer in self.layers]
+
+def _width_groups(specs: dict[int, MetricSpec], dead_window: int) -> list[_WidthGroup]:
+    """The derive tables of the token-count metrics ``specs`` (layer -> spec), by width."""
+    by_width: dict[int, list[MetricSpec]] = {}
+    for spec in specs.values():
+        by_width.setdefault(spec.size, []).append(spec)
+    return [
+        _WidthGroup(
+            tuple(spec.key for spec in group),
+            [tuple(f"{AREA}/{spec.scope}/{name}" for name in DERIVED) for spec in group],
+            _DeadWindow(dead_window),
+        )
+        for group in by_width.values()
+    ]
 
 
 @dataclass
 class _RouterLayer:
+    """One router this rank holds: its site and the slots its hook records into."""
+
     site: RouterSite
     tokens: Slot
     zloss: Slot
     mass: Slot
-    key: str = ""  # the token-count metric's key
-    derived: tuple[str, ...] = ()  # imbalance, cv, entropy fraction, dead experts
-
-    def __post_init__(self) -> None:
-        self.key = self.tokens.spec.key
-        scope = f"{AREA}/{layer_scope(self.site.layer)}"
-        self.derived = tuple(
-            f"{scope}/{name}"
-            for name in (
-                "moe_imbalance",
-                "moe_load_cv",
-                "moe_utilization_entropy_frac",
-                "moe_dead_experts_count",
-            )
-        )
 
 
 class MoEMonitor:
@@ -224,7 +230,7 @@ class MoEMonitor:
                     site,
                     tokens=declare(
                         AREA,
-                        "moe_tokens_count",
+                        TOKENS,
                         "sum",
                         size=site.n_experts,
                         layer=site.layer,
@@ -236,13 +242,12 @@ class MoEMonitor:
             )
 
     def attach(self, ctx: MonitorContext) -> None:
-        by_width: dict[int, list[_RouterLayer]] = {}
-        for layer in self._layers:
-            by_width.setdefault(layer.site.n_experts, []).append(layer)
-        self._groups = [_WidthGroup(g, _DeadWindow(self.dead_window)) for g in by_width.values()]
         buffer = ctx.metrics.buffer
         if buffer is None:
             raise RuntimeError("MoE monitor: attach() before the metric set's allocate()")
+        # Derived over every rank's MoE layers (the allocated union): pipeline stages
+        # hold other layers, and rank 0 derives for all of them.
+        self._groups = _width_groups(ctx.metrics.layer_specs(AREA, TOKENS), self.dead_window)
         groups: dict[int, SlotGroup] = {}
         for layer in self._layers:
             one = torch.ones((), dtype=torch.float64, device=buffer.device)

@@ -275,3 +275,14 @@ def test_records_match_a_naive_per_key_summary():
     assert got.keys() == expected.keys()
     for name, value in expected.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-12, err_msg=name)
+
+
+def test_layer_specs_before_allocate_is_a_clear_error():
+    ms = MetricSet()
+    _declare(ms, layers=(3, 1))
+    with pytest.raises(RuntimeError, match="before allocate"):
+        ms.layer_specs("t", "absmax")
+    ms.allocate("cpu")
+    specs = ms.layer_specs("t", "absmax")
+    assert list(specs) == [1, 3] and {s.size for s in specs.values()} == {3}
+    assert ms.layer_specs("t", "loss") == {}  # a step metric has no layers

@@ -70,3 +70,19 @@ def test_schema_mismatch_raises_on_every_rank_with_the_keys():
         assert message is not None
         assert "declared differently: t/step/x" in message
         assert "missing: t/step/only_here (not declared on ranks [1])" in message
+
+
+def _layer_specs_worker(rank, world):
+    ms = MetricSet()
+    for layer in (0, 100) if rank == 0 else (11, 2):  # each rank its own stage's layers
+        ms.declare("t", "tokens_count", "sum", size=4, layer=layer, element="expert")
+        ms.declare("t", "other", "max", layer=layer)
+    ms.declare("u", "tokens_count", "sum", size=4, layer=7)  # another area, every rank
+    ms.allocate("cpu")
+    return {layer: spec.key for layer, spec in ms.layer_specs("t", "tokens_count").items()}
+
+
+def test_layer_specs_cover_every_ranks_layers_in_layer_order():
+    expected = {layer: f"t/layer_{layer:02d}/tokens_count" for layer in (0, 2, 11, 100)}
+    for found in spawn_gloo(_layer_specs_worker, 2):
+        assert list(found.items()) == list(expected.items())  # 100 after 11: by number
