@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from syncless.metrics import MetricSet, Readout
@@ -48,6 +49,8 @@ class MonitorContext:
 
     model: ModelMap
     metrics: MetricSet
+    # The modules attach() was given (the model, or its pipeline chunks), wrappers and all.
+    roots: list[nn.Module] = field(default_factory=list)
     handles: list[RemovableHandle] = field(default_factory=list)
     # Host nanoseconds spent in each monitor's hooks since the handle last read them.
     host_ns: dict[str, int] = field(default_factory=dict)

@@ -347,7 +347,8 @@ def attach(
     if device is None:
         first = model[0] if isinstance(model, Sequence) else model
         device = next(first.parameters()).device
-    ctx = MonitorContext(model_map, MetricSet(group))
+    roots = list(model) if isinstance(model, Sequence) else [model]
+    ctx = MonitorContext(model_map, MetricSet(group), roots)
     if budget is not None:
         ctx.budget = Budget(budget, {m.name: m.every for m in monitors}, device, group)
     for m in monitors:

@@ -12,17 +12,19 @@ tensor the block table does not fit) ``_foreach_norm``, ``index_add_`` and
 ``_foreach_mul`` give the same sums. See docs/monitors/norms.md.
 
 Cross-rank: a replicated (data-parallel) parameter is identical on every rank, a sharded
-one (expert-parallel experts, tensor-parallel or ZeRO shards) is not. Sums of squares of
-replicated parameters are ``max`` metrics (counted once however many ranks hold them),
-those of sharded parameters ``sum`` metrics (each rank adds its shard); the norms are
-derived at flush as the square root of the totals.
+one (FSDP2 and FSDP1 shards, tensor-parallel or expert-parallel parts) is not. Sums of
+squares of replicated parameters are ``max`` metrics (counted once however many ranks
+hold them), those of sharded parameters ``sum`` metrics (each rank adds its shard,
+divided by the replicas of HSDP); the norms are derived at flush as the square root of
+the totals, no parameter is ever gathered. Which is which, the parameters say
+themselves (syncless.monitors.norms_sharding).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -36,10 +38,10 @@ from syncless.monitors.norms_passes import (
     foreach_norms,
     grad_norms,
     group_sumsq,
-    is_sharded,
     local,
     local_grads,
 )
+from syncless.monitors.norms_sharding import Layout, Member, find_members
 
 QUANTITIES = ("param", "grad", "update")
 
@@ -59,15 +61,16 @@ class _Scatter:
     sum_rows: torch.Tensor | None = None
     sum_at: torch.Tensor | None = None
     count_at: torch.Tensor | None = None
+    sum_scale: torch.Tensor | None = None  # 1 / replicas per sum row; None: all 1
 
 
 def _scatter(groups: list[_Group], quantity: str, device: torch.device) -> _Scatter:
-    def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(device)
+    def tensor(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device)
 
     out = _Scatter()
-    replicated = [(i, g.slots[quantity]) for i, g in enumerate(groups) if not g.sharded]
-    sharded = [(i, g.slots[quantity]) for i, g in enumerate(groups) if g.sharded]
+    replicated = [(i, g.slots[quantity]) for i, g in enumerate(groups) if not g.layout.sharded]
+    sharded = [(i, g.slots[quantity]) for i, g in enumerate(groups) if g.layout.sharded]
     if replicated:
         rows = [i for i, _ in replicated]
         out.max_rows = None if rows == list(range(len(groups))) else tensor(rows)
@@ -76,20 +79,20 @@ def _scatter(groups: list[_Group], quantity: str, device: torch.device) -> _Scat
         out.sum_rows = tensor([i for i, _ in sharded])
         out.sum_at = tensor([s.offsets[0] for _, s in sharded])  # type: ignore[index]
         out.count_at = tensor([s.offsets[1] for _, s in sharded])  # type: ignore[index]
+        replicas = [groups[i].layout.replicas for i, _ in sharded]
+        if any(r != 1 for r in replicas):
+            out.sum_scale = tensor([1.0 / r for r in replicas], torch.float64)
     return out
 
 
 @dataclass
 class _Group:
-    """The parameters of one layer in one cross-rank class, and their slots."""
+    """The parameters of one layer with one cross-rank layout, and their slots (groups
+    that differ only in ``replicas`` share the layer's sum slots)."""
 
     layer: int
-    sharded: bool
+    layout: Layout
     slots: dict[str, Slot]  # quantity -> slot (no "update" without update_ratio)
-    keys: dict[str, str] = field(default_factory=dict)  # quantity -> metric key
-
-    def __post_init__(self) -> None:
-        self.keys = {q: slot.spec.key for q, slot in self.slots.items()}
 
 
 class NormsMonitor:
@@ -102,9 +105,11 @@ class NormsMonitor:
     - ``every``: measure on every N-th step (the handle sets ``active``).
     - ``update_ratio``: also measure ``||p_after - p_before|| / ||p_before||``; costs one
       transient copy of the monitored parameters on active steps.
-    - ``is_sharded(name) -> bool``: which parameters differ across ranks (default: none).
-      ``name`` is the parameter's name in ``model.named_parameters()`` when ``model`` is
-      given, else ``"layers.<layer index>.<name inside the block>"`` (e.g.
+    - ``is_sharded(name) -> bool``: which *plain* tensors differ across ranks (default:
+      none), such as expert-parallel experts. DTensors (FSDP2, tensor parallel) and
+      FSDP1's parameters say it themselves (syncless.monitors.norms_sharding) and are not
+      asked about. ``name`` is the parameter's name in ``model.named_parameters()`` when
+      ``model`` is given, else ``"layers.<layer index>.<name inside the block>"`` (e.g.
       ``layers.3.moe.experts.w_up``); ``syncless.demo.parallel.is_expert_param`` works
       with either.
     """
@@ -133,6 +138,10 @@ class NormsMonitor:
         self._groups: list[_Group] = []
         self._buckets: list[list[nn.Parameter]] = []  # one per dtype, for foreach fast paths
         self._dtensors: list[bool] = []  # per bucket: its parameters are DTensors
+        # per bucket: (offset, numel) of each element in its FlatParameter's shard, or None
+        self._views: list[list[tuple[int, int]] | None] = []
+        # the derive's tables, over every rank's layers: layer -> quantity -> keys
+        self._layer_keys: dict[int, dict[str, list[str]]] = {}
         self._bucket_groups: list[list[int]] = []  # each parameter's group, per bucket
         self._bucket_ids: list[torch.Tensor] = []  # the same on the bucket's device
         self._fused: list[FusedBucket | None] = []  # the Triton path per bucket, if any
@@ -158,55 +167,60 @@ class NormsMonitor:
         return names
 
     def prepare(self, ctx: MonitorContext) -> None:
-        names = self._names(ctx)
-        in_optimizer = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        in_optimizer = [p for g in self.optimizer.param_groups for p in g["params"]]
+        members, self.unmonitored_params = find_members(
+            in_optimizer, ctx.model.layers, ctx.roots, self.is_sharded, self._names(ctx)
+        )
         quantities = QUANTITIES if self.update_ratio else QUANTITIES[:2]
-        members: list[tuple[nn.Parameter, int]] = []
-        monitored: set[int] = set()
-        for site in ctx.model.layers:
-            by_class: dict[bool, list[nn.Parameter]] = {False: [], True: []}
-            seen: set[int] = set()
-            for i, p in enumerate(site.parameters()):
-                if id(p) not in in_optimizer or id(p) in seen:
-                    continue
-                seen.add(id(p))
-                name = names.get(id(p), f"layers.{site.index}.param{i}")
-                # A DTensor says itself whether it is sharded (FSDP2, tensor parallel);
-                # the predicate covers plain tensors that differ across ranks.
-                by_class[is_sharded(p) or bool(self.is_sharded(name))].append(p)
-            for sharded, params in by_class.items():
-                if not params:
-                    continue
-                agg = "sum" if sharded else "max"
+        slots: dict[tuple[int, bool], dict[str, Slot]] = {}
+        group_of: dict[tuple[int, Layout], int] = {}
+        # Static buckets per device and dtype: a foreach op over one dtype and device
+        # takes the fused multi-tensor path; a mixed list falls back to one launch per
+        # tensor. Pieces of FlatParameters are views taken at each active step.
+        buckets: dict[tuple, list[tuple[Member, int]]] = {}
+        for m in members:
+            sharded = m.layout.sharded
+            if (m.layer, sharded) not in slots:
                 suffix = "sharded" if sharded else "replicated"
-                slots = {
+                slots[m.layer, sharded] = {
                     q: ctx.metrics.declare(
-                        AREA, f"{q}_sumsq_{suffix}", agg, layer=site.index, derive_global=False
+                        AREA, f"{q}_sumsq_{suffix}", "sum" if sharded else "max",
+                        layer=m.layer, derive_global=False,
                     )
                     for q in quantities
-                }
-                members += [(p, len(self._groups)) for p in params]
-                self._groups.append(_Group(site.index, sharded, slots))
-            monitored |= seen
-        # Static dtype buckets: a foreach op over one dtype and device takes the fused
-        # multi-tensor path; a mixed list falls back to one launch per tensor.
-        buckets: dict[tuple, list[tuple[nn.Parameter, int]]] = {}
-        for p, g in members:
-            buckets.setdefault((p.device, p.dtype, type(p)), []).append((p, g))
-        self._buckets = [[p for p, _ in b] for b in buckets.values()]
-        self._dtensors = [local(b[0]) is not b[0] for b in self._buckets]
+                }  # fmt: skip
+            if (m.layer, m.layout) not in group_of:
+                group_of[m.layer, m.layout] = len(self._groups)
+                self._groups.append(_Group(m.layer, m.layout, slots[m.layer, sharded]))
+            p = m.param
+            if m.param.numel() and (m.view is None or m.view[1]):  # empty shards add nothing
+                key = (p.device, p.dtype, type(p), m.view is None)
+                buckets.setdefault(key, []).append((m, group_of[m.layer, m.layout]))
+        self._buckets = [[m.param for m, _ in b] for b in buckets.values()]
+        self._dtensors = [local(b[0][0].param) is not b[0][0].param for b in buckets.values()]
+        self._views = [
+            None if b[0][0].view is None else [m.view for m, _ in b]  # type: ignore[misc]
+            for b in buckets.values()
+        ]
         self._bucket_groups = [[g for _, g in b] for b in buckets.values()]
-        self.unmonitored_params = len(in_optimizer - monitored)
 
     def attach(self, ctx: MonitorContext) -> None:
         buffer = ctx.metrics.buffer
         if buffer is None:
             raise RuntimeError("norms monitor: attach() before the metric set's allocate()")
-        if not self._groups:
+        # Pipeline stages hold different layers: rank 0 derives every layer's norms from
+        # the agreed schema, not only its own groups'.
+        suffixes = ("replicated", "sharded")
+        quantities = QUANTITIES if self.update_ratio else QUANTITIES[:2]
+        for q in quantities:
+            for suffix in suffixes:
+                for layer, spec in ctx.metrics.layer_specs(AREA, f"{q}_sumsq_{suffix}").items():
+                    self._layer_keys.setdefault(layer, {}).setdefault(q, []).append(spec.key)
+        self._layer_keys = dict(sorted(self._layer_keys.items()))
+        if not self._buckets:  # nothing of ours to measure (no layer, or empty shards)
             return
         device = self._buckets[0][0].device
         self._zero = torch.zeros((), dtype=torch.float32, device=device)
-        quantities = QUANTITIES if self.update_ratio else QUANTITIES[:2]
         self._scatter = {q: _scatter(self._groups, q, buffer.device) for q in quantities}
         self._buffer = buffer
         self._gate, self._gate_on = ctx.metrics.gate, ctx.metrics.gate_on
@@ -231,10 +245,26 @@ class NormsMonitor:
 
     @hot_path
     def _locals(self, i: int) -> list[torch.Tensor]:
-        """Bucket ``i``'s parameters as this rank holds them (DTensors' local shards),
-        read again every active step: FSDP may have swapped their storage."""
+        """Bucket ``i``'s parameters as this rank holds them (DTensors' local shards,
+        FlatParameter pieces), read again every active step: FSDP may have swapped their
+        storage."""
         bucket = self._buckets[i]
-        return [local(p) for p in bucket] if self._dtensors[i] else bucket
+        if self._dtensors[i]:
+            return [local(p) for p in bucket]
+        views = self._views[i]
+        if views is not None:
+            return [p.narrow(0, at, n) for p, (at, n) in zip(bucket, views, strict=True)]
+        return bucket
+
+    @hot_path
+    def _grads(self, i: int) -> list[torch.Tensor | None]:
+        views = self._views[i]
+        if views is None:
+            return local_grads(self._buckets[i], self._dtensors[i])
+        return [
+            None if p.grad is None else p.grad.narrow(0, at, n)
+            for p, (at, n) in zip(self._buckets[i], views, strict=True)
+        ]
 
     @hot_path
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -248,7 +278,7 @@ class NormsMonitor:
             snapshots: list = []
             for i in range(len(self._buckets)):
                 bucket = self._locals(i)
-                grads_i = local_grads(self._buckets[i], self._dtensors[i])
+                grads_i = self._grads(i)
                 fused = None if capturing else self._fused[i]
                 ids = self._bucket_ids[i]
                 pre = (
@@ -314,7 +344,10 @@ class NormsMonitor:
             values = torch.where(self._gate_on, values, -torch.inf)
             buf.scatter_reduce_(0, at.max_at, values, "amax")
         if at.sum_at is not None and at.sum_rows is not None and at.count_at is not None:
-            buf.index_add_(0, at.sum_at, sums.index_select(0, at.sum_rows) * self._gate)
+            values = sums.index_select(0, at.sum_rows)
+            if at.sum_scale is not None:  # HSDP: each shard summed once per replica
+                values = values * at.sum_scale
+            buf.index_add_(0, at.sum_at, values * self._gate)
             buf.index_add_(0, at.count_at, self._gate.expand(at.count_at.shape[0]))
 
     # -- flush (cold) ------------------------------------------------------------------
@@ -323,15 +356,11 @@ class NormsMonitor:
         out: dict[str, float] = {}
         totals = dict.fromkeys(QUANTITIES, 0.0)
         seen_any = dict.fromkeys(QUANTITIES, False)
-        by_layer: dict[int, list[_Group]] = {}
-        for g in self._groups:  # one pass, not one filter of every group per layer
-            by_layer.setdefault(g.layer, []).append(g)
-        for layer, groups in by_layer.items():
-            sums = _layer_sums(readout, groups)
+        for layer, keys in self._layer_keys.items():
+            sums = _layer_sums(readout, keys)
             if not sums:
                 continue
-            scope = f"{AREA}/{layer_scope(layer)}"
-            out.update(_norms(scope, sums))
+            out.update(_norms(f"{AREA}/{layer_scope(layer)}", sums))
             for q, v in sums.items():
                 totals[q] += v
                 seen_any[q] = True
@@ -347,11 +376,11 @@ class NormsMonitor:
         self._snapshot = None
 
 
-def _layer_sums(readout: Readout, groups: list[_Group]) -> dict[str, float]:
-    """Cluster-wide sums of squares of one layer per quantity (classes added up)."""
+def _layer_sums(readout: Readout, keys: dict[str, list[str]]) -> dict[str, float]:
+    """Cluster-wide sums of squares of one layer per quantity (its classes added up)."""
     sums: dict[str, float] = {}
-    for group in groups:
-        for q, key in group.keys.items():
+    for q, names in keys.items():
+        for key in names:
             if key in readout.present and readout.present[key].all():
                 sums[q] = sums.get(q, 0.0) + float(readout.values[key][0])
     return sums
