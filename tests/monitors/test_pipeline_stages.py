@@ -25,6 +25,7 @@ from syncless.monitors import attach
 from syncless.monitors.activations import ActivationsMonitor
 from syncless.monitors.attention import AttentionMonitor
 from syncless.monitors.moe import MoEMonitor
+from syncless.monitors.norms import NormsMonitor
 from syncless.testing import spawn_gloo
 
 LAYERS = 2  # per stage: the tiny preset's layer count
@@ -105,6 +106,7 @@ def _naive_load(counts: list[int]) -> tuple[float, float, float, int]:
 
 def _stage_worker(rank: int, world: int) -> dict[str, float]:
     model = _stage(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
     offset = rank * LAYERS
     logits: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
@@ -117,12 +119,19 @@ def _stage_worker(rank: int, world: int) -> dict[str, float]:
         MoEMonitor(),
         ActivationsMonitor(thresholds=THRESHOLDS),
         AttentionMonitor(),
+        NormsMonitor(opt, every=1, update_ratio=False),
     ]
     handle = attach(model, monitors, lagged=False, layer_offsets=[offset], budget=None)
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(10 + rank))
     with no_sync(cpu_as_device=True):
         out, balance = model(tokens)
         (out.float().square().mean() + balance).backward()
+    grads = {i: [p.grad.double().square().sum() for p in b.parameters()] for i, b in
+             enumerate(model.layers)}  # fmt: skip
+    params = {i: [p.detach().double().square().sum() for p in b.parameters()] for i, b in
+              enumerate(model.layers)}  # fmt: skip
+    with no_sync(cpu_as_device=True):
+        opt.step()  # the norms monitor's hooks run in the step
     records = {r.name: r.value for r in handle.step(0)}
     handle.close()
 
@@ -136,6 +145,8 @@ def _stage_worker(rank: int, world: int) -> dict[str, float]:
             "channels": outputs[layer].abs().amax(dim=(0, 1)).double().numpy(),
             "head_max": head_max,
             "head_entropy": head_entropy,
+            "param_norm": math.sqrt(float(sum(params[i]))),
+            "grad_norm": math.sqrt(float(sum(grads[i]))),
         }
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, reference)
@@ -160,6 +171,8 @@ def _check(records: dict[str, float], reference: dict[int, dict[str, Any]]) -> N
         assert records[f"{scope}/act_absmax"] == channels.max()
         ratio = channels.max() / np.median(channels)
         assert records[f"{scope}/act_max_median_ratio"] == pytest.approx(ratio, rel=1e-12)
+        for norm in ("param_norm", "grad_norm"):
+            assert records[f"{scope}/{norm}"] == pytest.approx(ref[norm], rel=1e-5)
         for t, label in zip(THRESHOLDS, ("0p06", "0p5", "1p5"), strict=True):
             name = f"{scope}/act_channels_above_{label}_count"
             assert records[name] == np.count_nonzero(channels > t)
@@ -177,6 +190,8 @@ def _check(records: dict[str, float], reference: dict[int, dict[str, Any]]) -> N
     lowest = min(ref["head_entropy"].min() for ref in reference.values())
     assert lowest == min(reference[3]["head_entropy"])
     assert records["monitors/global/attn_entropy_nats_head_min"] == pytest.approx(lowest, rel=1e-4)
+    total = math.sqrt(sum(ref["param_norm"] ** 2 for ref in reference.values()))
+    assert records["monitors/global/param_norm"] == pytest.approx(total, rel=1e-5)
 
 
 @pytest.mark.dist
