@@ -1,4 +1,5 @@
-"""Hugging Face model shapes for bench/real_models.py, built from configs on the device.
+"""Hugging Face model shapes for bench/real_models.py and bench/compiled_models.py, built
+from configs on the device.
 
 Random weights, no download. ``model_specs`` names the shapes; ``build_workload`` makes
 the model, a fused AdamW and one fixed batch, and counts the FLOPs of a training step;
@@ -325,3 +326,15 @@ def free_memory() -> None:
 
 def params_text(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def throughput(work: Workload, step_s: float, matmul: float | None, label: str = "off") -> str:
+    """A step time, its tokens/s and, on CUDA, its MFU (``step_flops``)."""
+    spec = work.spec
+    tokens_per_s = spec.batch * spec.seq_len / step_s
+    text = f"{label} {step_s * 1e3:.1f} ms/step, {tokens_per_s / 1e3:.1f}k tokens/s"
+    if work.device.type == "cuda":
+        text += f", MFU {work.flops / step_s / H200_BF16_PEAK * 100:.1f}% of 989 TFLOP/s"
+        if matmul:
+            text += f" ({work.flops / step_s / matmul * 100:.1f}% of the measured matmul rate)"
+    return text

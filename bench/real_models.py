@@ -12,7 +12,7 @@ monitor alone at every step, the section profiler, and a naive-hook baseline
 each round every mode runs one segment, in an order rotated by the round. A mode's
 overhead in a round is its mean step time over the ``off`` segment's of that round;
 the table gives the median over rounds and their spread. Shapes and the training
-step: bench/hf_models.py.
+step: bench/hf_models.py; the segments: bench/segments.py.
 
     python bench/real_models.py                     # all models, on one H200
     python bench/real_models.py --tiny --no-append  # a CPU smoke test
@@ -23,14 +23,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import inspect
 import json
 import statistics
 import time
 import traceback
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -40,83 +37,45 @@ import transformers
 from hf_models import (
     H200_BF16_PEAK,
     ModelSpec,
-    Workload,
     build_workload,
     count_syncs,
     free_memory,
     matmul_rate,
     model_specs,
     params_text,
+    throughput,
     tiny,
     train_step,
 )
 from naive_monitors import NaiveMonitors  # bench/ is on sys.path as a script
 from results import append_result
+from segments import (
+    ModelState,
+    Segment,
+    attach_kwargs,
+    measure,
+    open_stack,
+    round_overheads,
+    run_segment,
+    stack_label,
+    stack_note,
+    verdict,
+)
 
 from syncless.monitors import MONITORS, attach, build
 from syncless.monitors.adapters import find_layers
-from syncless.profile import OFF, Profiler
-
-HAS_BUDGET = "budget" in inspect.signature(attach).parameters
+from syncless.profile import Profiler
 
 
 @dataclass
-class Segment:
-    """What one mode attached for one segment, and where it runs in each step."""
+class ProfiledState(ModelState):
+    """A model's state, with the profiler's, kept across its segments."""
 
-    context: Callable[[int], AbstractContextManager] = lambda step: nullcontext()
-    prof: Any = OFF
-    flush: Callable[[int], None] | None = None
-    """After the optimizer step, before the loss read."""
-    after_read: Callable[[int], None] | None = None
-    close: Callable[[], None] = lambda: None
-
-
-@dataclass
-class ModelState:
-    """Per model: what the modes keep between their segments, and what they saw."""
-
-    work: Workload
-    budget: float
-    step: int = 0
-    stack: Any = None
-    """The stack's handle, kept across segments when it can pause."""
     profiler: Any = None
-    self_records: dict[str, list[float]] = field(default_factory=dict)
-    cadences: dict[str, int] | None = None
     layer_row: str = ""
 
 
-def attach_kwargs(budget: float | None) -> dict[str, float | None]:
-    """``budget=`` only where this syncless's attach takes it."""
-    return {"budget": budget} if HAS_BUDGET else {}
-
-
-def stack_flush(handle: Any, state: ModelState, step: int) -> None:
-    handle.step(step)
-    for record in handle.last_records:
-        if record.name.startswith("monitors/self/"):
-            state.self_records.setdefault(record.name, []).append(record.value)
-    cadences = getattr(handle, "cadences", None)
-    if cadences:
-        state.cadences = dict(cadences)  # a copy: the controller may change it in place
-
-
-def open_stack(state: ModelState) -> Segment:
-    work = state.work
-    handle = state.stack
-    if handle is not None:
-        handle.resume()
-    else:
-        monitors = build(list(MONITORS), optimizer=work.optimizer)
-        handle = attach(work.model, monitors, **attach_kwargs(state.budget))
-        if hasattr(handle, "pause") and hasattr(handle, "resume"):
-            state.stack = handle  # one budget controller for all rounds
-    close = handle.pause if state.stack is handle else handle.close
-    return Segment(flush=partial(stack_flush, handle, state), close=close)
-
-
-def open_profile(state: ModelState) -> Segment:
+def open_profile(state: ProfiledState) -> Segment:
     if state.profiler is None:  # one profiler per model: its reports span segments
         state.profiler = Profiler(mode="events", report_every=10)
     prof = state.profiler
@@ -135,7 +94,7 @@ def open_profile(state: ModelState) -> Segment:
     return Segment(context=prof.step, prof=prof, after_read=report, close=close)
 
 
-def open_segment(mode: str, state: ModelState) -> Segment:
+def open_segment(mode: str, state: ProfiledState) -> Segment:
     work = state.work
     if mode == "off":
         return Segment()
@@ -151,25 +110,11 @@ def open_segment(mode: str, state: ModelState) -> Segment:
     return Segment(flush=handle.step, close=handle.close)
 
 
-def run_segment(mode: str, state: ModelState, warmup: int, steps: int) -> list[float]:
-    """Wall seconds of each timed step of one segment of ``mode``."""
-    segment = open_segment(mode, state)
-    times = []
-    try:
-        for i in range(warmup + steps):
-            step = state.step
-            state.step += 1
-            flush = None if segment.flush is None else partial(segment.flush, step)
-            start = time.perf_counter()
-            with segment.context(step):
-                train_step(state.work, segment.prof, flush)
-            if segment.after_read is not None:  # the profiler's report: part of its cost
-                segment.after_read(step)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-    finally:
-        segment.close()
-    return times
+def segment_lengths(args: argparse.Namespace, mode: str) -> tuple[int, int]:
+    """Untimed and timed steps of a segment of ``mode``."""
+    if mode == "stack":
+        return args.stack_warmup, args.stack_seg
+    return args.warmup, args.seg
 
 
 def modes_for(spec: ModelSpec, wanted: list[str]) -> list[str]:
@@ -178,66 +123,9 @@ def modes_for(spec: ModelSpec, wanted: list[str]) -> list[str]:
     return [m for m in applicable if m in wanted]
 
 
-def round_overheads(rounds: list[dict[str, list[float]]], mode: str) -> list[float]:
-    """Per round: mean step of ``mode`` over the mean ``off`` step of that round, - 1."""
-    out = []
-    for times in rounds:
-        if times.get(mode) and times.get("off"):
-            out.append(statistics.fmean(times[mode]) / statistics.fmean(times["off"]) - 1)
-    return out
-
-
-def measure(state: ModelState, modes: list[str], args: argparse.Namespace, deadline: float):
-    """The interleaved rounds; stops before a round that would end past ``deadline``."""
-    rounds: list[dict[str, list[float]]] = []
-    failed: dict[str, str] = {}
-    last_round_s = 0.0
-    for r in range(args.rounds):
-        if rounds and time.perf_counter() + last_round_s > deadline:
-            print(f"  time is up after {len(rounds)} round(s)")
-            break
-        start = time.perf_counter()
-        times: dict[str, list[float]] = {}
-        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-            if mode in failed:
-                continue
-            steps = args.stack_seg if mode == "stack" else args.seg
-            warmup = args.stack_warmup if mode == "stack" else args.warmup
-            try:
-                times[mode] = run_segment(mode, state, warmup, steps)
-            except Exception as e:  # one mode failing (OOM) must not end the model
-                traceback.print_exc()
-                failed[mode] = type(e).__name__
-            if mode in failed:  # out of the except block: its frames hold device memory
-                state.work.optimizer.zero_grad(set_to_none=True)
-                free_memory()
-        rounds.append(times)
-        last_round_s = time.perf_counter() - start
-        line = ", ".join(
-            f"{m} {o * 100:+.2f}%" for m in modes if m != "off" for o in round_overheads([times], m)
-        )
-        print(f"  round {r}: {last_round_s:.0f} s; {line}")
-    if state.stack is not None:
-        state.stack.close()
-    return rounds, failed
-
-
-def stack_label(budget: float) -> str:
-    return f"stack (budget {budget:g})" if HAS_BUDGET else "stack (no budget: attach lacks it)"
-
-
-def throughput(work: Workload, off_s: float, matmul: float | None) -> str:
-    """Off step time, tokens/s and, on CUDA, MFU (hf_models.step_flops)."""
-    spec = work.spec
-    text = f"off {off_s * 1e3:.1f} ms/step, {spec.batch * spec.seq_len / off_s / 1e3:.1f}k tokens/s"
-    if work.device.type == "cuda":
-        text += f", MFU {work.flops / off_s / H200_BF16_PEAK * 100:.1f}% of 989 TFLOP/s"
-        if matmul:
-            text += f" ({work.flops / off_s / matmul * 100:.1f}% of the measured matmul rate)"
-    return text
-
-
-def summarize(state: ModelState, modes: list[str], off_steps: list[float], rounds, failed, matmul):
+def summarize(
+    state: ProfiledState, modes: list[str], off_steps: list[float], rounds, failed, matmul
+):
     """Print the model's table; return its summary (also the RESULTS.md line)."""
     work, spec = state.work, state.work.spec
     off_s = statistics.median(off_steps)
@@ -256,13 +144,8 @@ def summarize(state: ModelState, modes: list[str], off_steps: list[float], round
         label = stack_label(state.budget) if mode == "stack" else mode
         med, lo, hi = statistics.median(est), min(est), max(est)
         rows[label] = f"{med * 100:+.2f}% [{lo * 100:+.2f}..{hi * 100:+.2f}] ({len(est)})"
-        if mode == "stack":  # issue #19's target for the default stack
-            verdict = (
-                "met"
-                if med <= state.budget
-                else f"missed by {(med - state.budget) * 100:.2f} points"
-            )
-            rows[label] += f" (target <= {state.budget * 100:g}%: {verdict})"
+        if mode == "stack":
+            rows[label] += f" ({verdict(med, state.budget)})"
         print(f"  {label:<40}{med * 100:>+8.2f}%{lo * 100:>+10.2f}..{hi * 100:+.2f}%{len(est):>8}")
     for mode, error in failed.items():
         label = stack_label(state.budget) if mode == "stack" else mode
@@ -270,8 +153,7 @@ def summarize(state: ModelState, modes: list[str], off_steps: list[float], round
         print(f"  {label:<40}failed: {error}")
     notes = []
     if "stack" in modes:
-        notes.append("stack: one handle, paused between segments" if state.stack is not None
-                     else "stack: attached anew each segment (no pause/resume)")  # fmt: skip
+        notes.append(stack_note(state))
     if state.cadences:
         every = ", ".join(f"{k} {v}" for k, v in state.cadences.items())
         notes.append(f"stack cadences at the end: every {every}")
@@ -292,8 +174,8 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, device, deadline: float
     print(f"\n{spec.name}: built in {work.build_s:.1f} s, experts {work.experts}")
     for _ in range(3):  # allocate, pick kernels: nothing attached
         train_step(work)
-    state = ModelState(work=work, budget=args.budget)
-    initial = run_segment("off", state, warmup=0, steps=3)
+    state = ProfiledState(work=work, budget=args.budget)
+    initial = run_segment("off", state, warmup=0, steps=3, open_segment=open_segment)
     if device.type == "cuda":
         print(f"  syncs in an off step: {count_syncs(work)} (1 expected: the loss read)")
     print(f"  before the rounds: {throughput(work, statistics.median(initial), matmul)}")
@@ -301,7 +183,9 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, device, deadline: float
     gc.collect()
     gc.freeze()  # the model's objects leave the collector's generations
     try:
-        rounds, failed = measure(state, modes, args, deadline)
+        rounds, failed = measure(
+            state, modes, open_segment, partial(segment_lengths, args), args.rounds, deadline
+        )
     finally:
         gc.unfreeze()
     off_steps = initial + [t for times in rounds for t in times.get("off", [])]

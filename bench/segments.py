@@ -1,0 +1,194 @@
+"""Interleaved A/B segments of training steps, for bench/real_models.py and
+bench/compiled_models.py.
+
+Modes run in segments. In each round every mode runs one segment, in an order rotated
+by the round. A mode's ratio in a round is its mean step time over the reference
+mode's mean step of that round. ``open_stack`` attaches syncless's monitor stack for
+one segment.
+"""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from hf_models import Workload, free_memory, train_step
+
+from syncless.monitors import MONITORS, attach, build
+from syncless.profile import OFF
+
+HAS_BUDGET = "budget" in inspect.signature(attach).parameters
+
+Rounds = list[dict[str, list[float]]]
+"""Per round: each mode's wall seconds per timed step."""
+
+
+@dataclass
+class Segment:
+    """What one mode attached for one segment, and where it runs in each step."""
+
+    context: Callable[[int], AbstractContextManager] = lambda step: nullcontext()
+    prof: Any = OFF
+    flush: Callable[[int], None] | None = None
+    """After the optimizer step, before the loss read."""
+    after_read: Callable[[int], None] | None = None
+    close: Callable[[], None] = lambda: None
+
+
+@dataclass
+class ModelState:
+    """Per model: what the modes keep between their segments, and what they saw."""
+
+    work: Workload
+    budget: float
+    step: int = 0
+    stack: Any = None
+    """The stack's handle, kept across segments when it can pause."""
+    handle: Any = None
+    """The handle of the last stack segment opened."""
+    self_records: dict[str, list[float]] = field(default_factory=dict)
+    cadences: dict[str, int] | None = None
+
+
+OpenSegment = Callable[[str, Any], Segment]
+"""Opens a segment of a mode on a ``ModelState``."""
+
+
+def attach_kwargs(budget: float | None) -> dict[str, float | None]:
+    """``budget=`` only where this syncless's attach takes it."""
+    return {"budget": budget} if HAS_BUDGET else {}
+
+
+def stack_label(budget: float) -> str:
+    return f"stack (budget {budget:g})" if HAS_BUDGET else "stack (no budget: attach lacks it)"
+
+
+def stack_flush(handle: Any, state: ModelState, step: int) -> None:
+    handle.step(step)
+    for record in handle.last_records:
+        if record.name.startswith("monitors/self/"):
+            state.self_records.setdefault(record.name, []).append(record.value)
+    cadences = getattr(handle, "cadences", None)
+    if cadences:
+        state.cadences = dict(cadences)  # a copy: the controller may change it in place
+
+
+def open_stack(state: ModelState) -> Segment:
+    """Every monitor, with the state's budget: one handle if it can pause, else a new
+    one per segment."""
+    work = state.work
+    handle = state.stack
+    if handle is not None:
+        handle.resume()
+    else:
+        monitors = build(list(MONITORS), optimizer=work.optimizer)
+        handle = attach(work.model, monitors, **attach_kwargs(state.budget))
+        if hasattr(handle, "pause") and hasattr(handle, "resume"):
+            state.stack = handle  # one budget controller for all rounds
+    state.handle = handle
+    close = handle.pause if state.stack is handle else handle.close
+    return Segment(flush=partial(stack_flush, handle, state), close=close)
+
+
+def stack_note(state: ModelState) -> str:
+    if state.stack is not None:
+        return "stack: one handle, paused between segments"
+    return "stack: attached anew each segment (no pause/resume)"
+
+
+def verdict(overhead: float, budget: float) -> str:
+    """Issue #19's target for the default stack: its overhead within its budget."""
+    met = "met" if overhead <= budget else f"missed by {(overhead - budget) * 100:.2f} points"
+    return f"target <= {budget * 100:g}%: {met}"
+
+
+def run_segment(
+    mode: str, state: ModelState, warmup: int, steps: int, open_segment: OpenSegment
+) -> list[float]:
+    """Wall seconds of each timed step of one segment of ``mode``."""
+    segment = open_segment(mode, state)
+    times = []
+    try:
+        for i in range(warmup + steps):
+            step = state.step
+            state.step += 1
+            flush = None if segment.flush is None else partial(segment.flush, step)
+            start = time.perf_counter()
+            with segment.context(step):
+                train_step(state.work, segment.prof, flush)
+            if segment.after_read is not None:  # the profiler's report: part of its cost
+                segment.after_read(step)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+    finally:
+        segment.close()
+    return times
+
+
+def round_ratios(rounds: Rounds, mode: str, reference: str = "off") -> list[float]:
+    """Per round: mean step of ``mode`` over the mean ``reference`` step of that round."""
+    out = []
+    for times in rounds:
+        if times.get(mode) and times.get(reference):
+            out.append(statistics.fmean(times[mode]) / statistics.fmean(times[reference]))
+    return out
+
+
+def round_overheads(rounds: Rounds, mode: str, reference: str = "off") -> list[float]:
+    return [r - 1 for r in round_ratios(rounds, mode, reference)]
+
+
+def measure(
+    state: ModelState,
+    modes: list[str],
+    open_segment: OpenSegment,
+    lengths: Callable[[str], tuple[int, int]],
+    rounds: int,
+    deadline: float,
+    reference: str = "off",
+) -> tuple[Rounds, dict[str, str]]:
+    """The interleaved rounds; stops before a round that would end past ``deadline``.
+
+    ``lengths(mode)`` is a segment's untimed warm-up steps and timed steps. Returns the
+    rounds and the modes that failed, with their exception's name.
+    """
+    done: Rounds = []
+    failed: dict[str, str] = {}
+    last_round_s = 0.0
+    for r in range(rounds):
+        if done and time.perf_counter() + last_round_s > deadline:
+            print(f"  time is up after {len(done)} round(s)")
+            break
+        start = time.perf_counter()
+        times: dict[str, list[float]] = {}
+        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+            if mode in failed:
+                continue
+            warmup, steps = lengths(mode)
+            try:
+                times[mode] = run_segment(mode, state, warmup, steps, open_segment)
+            except Exception as e:  # one mode failing (OOM) must not end the model
+                traceback.print_exc()
+                failed[mode] = type(e).__name__
+            if mode in failed:  # out of the except block: its frames hold device memory
+                state.work.optimizer.zero_grad(set_to_none=True)
+                free_memory()
+        done.append(times)
+        last_round_s = time.perf_counter() - start
+        line = ", ".join(
+            f"{m} {o * 100:+.2f}%"
+            for m in modes
+            if m != reference
+            for o in round_overheads([times], m, reference)
+        )
+        print(f"  round {r}: {last_round_s:.0f} s; {line}")
+    if state.stack is not None:
+        state.stack.close()
+    return done, failed
