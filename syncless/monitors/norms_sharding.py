@@ -128,8 +128,8 @@ def find_members(
     names: dict[int, str],
 ) -> tuple[list[Member], int]:
     """The tensors of ``params`` (the optimizer's) that belong to the mapped layers
-    ``sites``, each with its layer and layout, and how many of ``params`` lie outside
-    every layer. A FlatParameter is split by the modules its original parameters belong
+    ``sites``, each with its layer and layout, and how many parameters lie outside every
+    layer (a FlatParameter's original parameters counted one by one). A FlatParameter is split by the modules its original parameters belong
     to, unless they are all one layer's (then it is read whole: its padding is zeros)."""
     sites = list(sites)
     layer_of: dict[int, int] = {}  # a parameter two layers share: the first
@@ -147,6 +147,8 @@ def find_members(
         seen.add(id(p))
         if is_flat_param(p):  # FSDP1, use_orig_params=False
             layout = fsdp1.get(id(p)) or flat_param_layout(p)
+            # counted as the user's parameters, the same with and without FSDP1
+            outside += sum(module_layer.get(id(i.module)) is None for i in p._param_infos)
             pieces = [(module_layer.get(id(x.module)), x) for x in flat_param_pieces(p)]
             layers = {layer for layer, _ in pieces}
             if len(layers) == 1 and None not in layers:
@@ -154,7 +156,6 @@ def find_members(
                 continue
             views = [Member(p, layer, layout, (x.offset, x.numel)) for layer, x in pieces]
             members += [m for m in views if m.layer is not None]
-            outside += not any(m.layer is not None for m in views)
             continue
         layer = layer_of.get(id(p))
         if layer is None:

@@ -31,12 +31,26 @@ def _loss(model, tokens: torch.Tensor) -> torch.Tensor:
     return logits.float().square().mean() + balance
 
 
-def _reference(model, world: int) -> dict[str, float]:
+def _monitored_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    from syncless.guard import no_sync
+
+    with no_sync(cpu_as_device=True):  # the forward hooks are the monitors'
+        return _loss(model, tokens)
+
+
+def _reference(model, world: int, alone) -> tuple[dict[str, float], dict[str, float]]:
     """Per-layer param/grad norms and update ratios of a plain copy, trained on every
-    rank's batch: the values the monitor must report."""
+    rank's batch, in float64: the values the norms monitor must report. And what every
+    monitor records on that plain copy in one process (the forward monitors' values are
+    checked against naive recounts in their own tests): FSDP must not change them."""
+    from syncless.monitors import attach, build
+
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
-    loss = sum(_loss(ref, _batch(r)) for r in range(world)) / world
+    monitors = build("all", optimizer=opt, every=1)
+    handle = attach(ref, monitors, lagged=False, budget=None, group=alone)
+    _guarded(opt)
+    loss = sum(_monitored_loss(ref, _batch(r)) for r in range(world)) / world
     loss.backward()
 
     def flat(layer, grads: bool = False) -> torch.Tensor:
@@ -54,7 +68,9 @@ def _reference(model, world: int) -> dict[str, float]:
         want[f"{scope}/grad_norm"] = math.sqrt(float(grads[i].square().sum()))
         update = flat(layer) - before[i]
         want[f"{scope}/update_ratio"] = math.sqrt(float(update.square().sum()) / p_sq)
-    return want
+    plain = {r.name: r.value for r in handle.step(0) if "/self/" not in r.name}
+    handle.close()
+    return want, plain
 
 
 def _guarded(opt) -> None:
@@ -110,16 +126,20 @@ def _worker(rank: int, world: int, how: str) -> dict | None:
     torch.manual_seed(0)
     model = MoETransformer(preset("tiny"))
     init_weights(model, 0)
-    want = _reference(model, world) if rank == 0 else None
+    import torch.distributed as dist
+
+    # the plain copy's metrics reduce over this rank alone (new_group: every rank calls)
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    want, plain = _reference(model, world, alone)
     wrapped = _wrap(model, world, how)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=LR, weight_decay=WD)
-    handle = attach(wrapped, build(["norms"], optimizer=opt, every=1), lagged=False, budget=None)
+    handle = attach(wrapped, build("all", optimizer=opt, every=1), lagged=False, budget=None)
     _guarded(opt)
-    _loss(wrapped, _batch(rank)).backward()
+    _monitored_loss(wrapped, _batch(rank)).backward()
     opt.step()
     records = {r.name: r.value for r in handle.step(0)}
     handle.close()
-    return None if rank else {"records": records, "want": want}
+    return None if rank else {"records": records, "want": want, "plain": plain}
 
 
 @pytest.mark.dist
@@ -135,3 +155,8 @@ def test_norms_under_fsdp1_and_hsdp_are_the_full_tensors_norms(how):
         # norm of one 140k-element FlatParameter is 2.8e-5 off its float64 value here
         # (sqrt(n) * eps); the sharding errors this test catches are 5% to 41%.
         assert records[name] == pytest.approx(value, rel=1e-4), name
+    # every other monitor: the values of one process that ran both ranks' batches
+    plain = {k: v for k, v in out["plain"].items() if "_sumsq_" not in k}
+    assert plain.keys() <= records.keys(), sorted(plain.keys() - records.keys())
+    for name, value in plain.items():
+        assert records[name] == pytest.approx(value, rel=1e-4, nan_ok=True), name
