@@ -87,7 +87,8 @@ class DynamoCounts(NamedTuple):
     """Dynamo's global counters, or their change over some steps."""
 
     frames: int
-    """Frames dynamo converted: first compiles and recompiles."""
+    """Frames dynamo converted: first compiles and recompiles (none once a function hit
+    the recompile limit: its calls that miss the cache then run eagerly, uncounted)."""
     graphs: int
     breaks: int
     limit_hits: int
@@ -116,13 +117,20 @@ class DynamoCounts(NamedTuple):
 
 
 class LimitHits(logging.Handler):
-    """Counts dynamo's "hit config.recompile_limit" warnings."""
+    """Counts dynamo's "hit config.recompile_limit" warnings; keeps the first reason."""
 
     count = 0
+    reason = ""
+    """The guard that failed last before the first hit, and its source line."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "hit config" in str(record.msg):
-            self.count += 1
+        if "hit config" not in str(record.msg):
+            return
+        self.count += 1
+        args = record.args if isinstance(record.args, tuple) else ()
+        if not self.reason and len(args) > 3:  # (limit, value, function, reason, url)
+            reason = str(args[3])
+            self.reason = reason.partition("# ")[2].partition(" (HINT")[0] or reason[:200]
 
 
 LIMIT_HITS = LimitHits()
@@ -265,6 +273,12 @@ def summarize(state: CompiledState, args: argparse.Namespace, before, rounds, fa
             rows[label] += f"; without the steps that compiled {spread(clean)}"
         if missing_metrics(state):
             rows[label] += "; not the whole stack: layer metrics missing under compile"
+        hits = sum(c.limit_hits for (m, _), c in state.counts.items() if m == "compiled-stack")
+        if hits:
+            rows[label] += (
+                f"; dynamo hit its recompile limit {hits}x with the stack (guard on "
+                f"{LIMIT_HITS.reason}): the calls that miss the cached graphs run eagerly"
+            )
     for mode, error in failed.items():
         rows[mode] = f"failed ({error})"
     for key, value in rows.items():
@@ -285,6 +299,7 @@ def summarize(state: CompiledState, args: argparse.Namespace, before, rounds, fa
 def run_model(spec: ModelSpec, args: argparse.Namespace, device, deadline: float, matmul):
     """Build, compile, warm up, measure and report one model; returns its JSON entry."""
     work = build_workload(spec, device)
+    LIMIT_HITS.reason = ""  # this model's
     print(f"\n{spec.name}: built in {work.build_s:.1f} s, experts {work.experts}")
     compile_model(work, args.compile_scope, args.backend)
     state = CompiledState(work=work, budget=args.budget)
