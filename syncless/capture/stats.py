@@ -14,6 +14,7 @@ or the writer (``pending_count``).
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from enum import Enum
@@ -152,23 +153,41 @@ class ThreadClock:
     Why: on a host-bound step every millisecond a worker holds the GIL can come out of
     the training thread, so the engine reports its threads' CPU time beside its own
     host time on the training thread. Read from the reporting thread (one
-    ``clock_gettime`` per thread per report), the workers pay nothing for it. Where
-    ``time.pthread_getcpuclockid`` is missing (not Linux/BSD) it reads 0.
+    ``clock_gettime`` per thread per report), the workers pay nothing for it. Where no
+    per-thread CPU clock is available (not Linux/BSD) it reads 0.
     """
 
     def __init__(self) -> None:
-        self._last: dict[int, int] = {}
+        # Keyed by the Thread object: a new thread may reuse an ended one's ident.
+        self._last: dict[threading.Thread, int] = {}
 
     def advance(self, thread: threading.Thread | None) -> float:
         """Milliseconds of CPU ``thread`` used since the previous call for it."""
-        ident = None if thread is None else thread.ident
-        getter = getattr(time, "pthread_getcpuclockid", None)
-        if ident is None or getter is None:
+        if thread is None or not thread.is_alive():
+            # join() returns before the OS thread has exited: an ended thread's clock
+            # can still tick for its teardown, and then its ids are free for reuse.
+            if thread is not None:
+                self._last.pop(thread, None)
+            return 0.0
+        clock = _cpu_clock_id(thread)
+        if clock is None:
             return 0.0
         try:
-            now = time.clock_gettime_ns(getter(ident))
+            now = time.clock_gettime_ns(clock)
         except OSError:  # the thread ended meanwhile
             return 0.0
-        before = self._last.get(ident, 0)
-        self._last[ident] = now
+        before = self._last.get(thread, 0)
+        self._last[thread] = now
         return (now - before) / 1e6
+
+
+def _cpu_clock_id(thread: threading.Thread) -> int | None:
+    """The per-thread CPU clock of ``thread``, or None where there is none."""
+    if sys.platform == "linux" and thread.native_id is not None:
+        # Linux's clock id for a TID (glibc's MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)).
+        # From the TID, not the pthread_t: Python's threads are detached, so the
+        # pthread_t of a thread that has just exited points at freed memory, and the
+        # kernel answers EINVAL for a TID that is not a thread of this process.
+        return (~thread.native_id << 3) | 6
+    getter = getattr(time, "pthread_getcpuclockid", None)
+    return None if getter is None or thread.ident is None else getter(thread.ident)
