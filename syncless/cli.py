@@ -1,4 +1,4 @@
-"""The ``syncless`` command: demo, query, lint."""
+"""The ``syncless`` command: demo, query, check, lint."""
 
 from __future__ import annotations
 
@@ -9,10 +9,15 @@ from syncless.errors import UsageError
 
 
 def _query(args: argparse.Namespace) -> int:
-    from syncless.run.query_cli import print_query
+    from syncless.run import query_cli
 
-    print_query(args.run_dir, args.sql, args.format)
-    return 0
+    return query_cli.run(args)
+
+
+def _check(args: argparse.Namespace) -> int:
+    from syncless.run import check
+
+    return check.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,10 +31,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a small MoE transformer with every tool on")
     demo_cli.add_arguments(demo)
 
-    query = sub.add_parser("query", help="run SQL over a run directory's metrics")
+    query = sub.add_parser(
+        "query",
+        help="run a read-only SQL query over a run directory's metrics",
+        description="One SELECT over the tables `metrics` and (with captures) `captures`. "
+        "Queries cannot read or write other files. Unreadable shards are skipped with a "
+        "warning each.",
+    )
     query.add_argument("run_dir", help="a run directory (runs/<time>-<name>)")
-    query.add_argument("sql", help='SQL over the view `metrics`, e.g. "SELECT * FROM metrics"')
+    query.add_argument("sql", help='a SELECT over `metrics`, e.g. "SELECT * FROM metrics"')
     query.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    query.add_argument(
+        "--strict", action="store_true", help="fail (exit 1) on an unreadable shard instead"
+    )
+
+    check = sub.add_parser(
+        "check",
+        help="check a run directory: shards readable, records and missing steps per rank",
+        description="Exit status: 0 healthy, 1 unhealthy (unreadable shards, missing "
+        "steps or ranks, truncated capture files), 2 not a run directory.",
+    )
+    check.add_argument("run_dir", help="a run directory (runs/<time>-<name>)")
+    check.add_argument("--format", choices=("table", "json"), default="table")
 
     from syncless.lint import cli as lint_cli
 
@@ -52,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             return demo_cli.run(args, argv[argv.index("demo") + 1 :])
         if args.command == "query":
             return _query(args)
+        if args.command == "check":
+            return _check(args)
         if args.command == "lint":
             from syncless.lint import cli as lint_cli
 
