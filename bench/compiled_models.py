@@ -150,6 +150,8 @@ class CompiledState(ModelState):
     """Per mode, per segment: the timed steps that compiled (index in the segment)."""
     layer_names: dict[str, set[str]] = field(default_factory=dict)
     """Per stack mode: the layer metrics it recorded before the rounds."""
+    break_reasons: dict[str, int] = field(default_factory=dict)
+    """Dynamo's graph breaks while this model ran: reason -> count."""
 
 
 @contextmanager
@@ -287,6 +289,9 @@ def summarize(state: CompiledState, args: argparse.Namespace, before, rounds, fa
     for (mode, phase), counts in sorted(state.counts.items()):
         if mode != "eager-off" and (counts != ZERO or phase == "timed"):
             notes.append(f"{mode} {phase}: {counts.text()}")
+    for reason, n in state.break_reasons.items():
+        lines = [line.strip().removeprefix("Explanation: ") for line in reason.splitlines()]
+        notes.append(f"graph break {n}x: {' '.join(list(filter(None, lines))[:2])[:160]}")
     notes.append(stack_note(state))
     if state.cadences:
         every = ", ".join(f"{k} {v}" for k, v in state.cadences.items())
@@ -303,6 +308,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, device, deadline: float
     print(f"\n{spec.name}: built in {work.build_s:.1f} s, experts {work.experts}")
     compile_model(work, args.compile_scope, args.backend)
     state = CompiledState(work=work, budget=args.budget)
+    breaks = dict(counters["graph_break"])  # dynamo's reset keeps its counters
     before = prelude(state, args)
     took = {m: state.counts.get((m, "before the rounds"), ZERO).compile_s for m in MODES}
     print(
@@ -320,6 +326,9 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, device, deadline: float
         )  # fmt: skip
     finally:
         gc.unfreeze()
+    for reason, n in counters["graph_break"].items():
+        if n > breaks.get(reason, 0):
+            state.break_reasons[reason] = n - breaks.get(reason, 0)
     summary = summarize(state, args, before, rounds, failed, matmul)
     counts = {f"{m} {p}": c._asdict() for (m, p), c in state.counts.items()}
     return {"spec": dataclasses.asdict(spec), "before": before, "rounds": rounds,
