@@ -7,28 +7,58 @@ import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from syncless.errors import UsageError
 from syncless.run.dist import RankInfo, rank_info
 from syncless.run.parquet import ParquetSink
 from syncless.run.records import StepRecord, StepRecords, check_metric_name
-from syncless.run.rundir import METRICS_DIR, default_run_dir, environment, write_run_json
+from syncless.run.rundir import (
+    METRICS_DIR,
+    claim_run_dir,
+    default_run_dir,
+    last_step,
+    make_unique_dir,
+    new_segment,
+    set_first_step,
+    start_segment,
+)
 from syncless.run.sinks import Sink
+
+
+class _Claim(NamedTuple):
+    """Rank 0's answer, broadcast to every rank: the directory, or why there is none."""
+
+    path: str | None
+    next_step: int = 0
+    error: str | None = None
+    usage: bool = False  # error is a UsageError's message, meant for the user
 
 
 class Run:
     """The run directory of this job plus the sinks every record goes to.
 
-    Every rank creates a ``Run``; rank 0 picks the directory (under torch.distributed it
-    is broadcast once at creation so all ranks agree even across nodes) and writes
-    ``run.json``; each rank writes its own Parquet shards.
+    Every rank creates a ``Run``. Rank 0 claims the directory and writes ``run.json``;
+    under torch.distributed its choice is broadcast once, so all ranks agree even across
+    nodes. Each rank writes its own Parquet shards.
+
+    Every run gets a directory of its own. A generated name (``runs/<time>-<name>``)
+    that exists already gets a ``-2``, ``-3``, ... suffix. A ``run_dir`` that already
+    holds something is refused, unless ``resume=True`` and it holds a run: then this
+    start is appended to ``run.json``'s ``segments`` and ``next_step`` is the step after
+    the last one stored.
 
     A sink that raises never breaks the training step: the error is counted per sink
     (``run/self/<Sink>_errors_count`` in later batches), reported once on stderr, and
     the sink is dropped after ``max_sink_errors`` failures. ``strict=True`` raises
     instead.
+
+    Example::
+
+        with Run(name="my-job", config={"lr": 3e-4}) as run:
+            run.log(0, {"train/step/loss": 2.5})
     """
 
     def __init__(
@@ -42,38 +72,81 @@ class Run:
         strict: bool = False,
         max_sink_errors: int = 10,
         ranks: RankInfo | None = None,
+        resume: bool = False,
     ) -> None:
+        if resume and run_dir is None:
+            raise UsageError("Run(resume=True) needs run_dir: the directory of the run to resume")
         self.ranks = ranks or rank_info()
         self.strict = strict
         self.max_sink_errors = max_sink_errors
-        self.dir = self._agree_on_dir(Path(run_dir) if run_dir else default_run_dir(name, root))
+        target = Path(run_dir) if run_dir is not None else None
+        self.dir, self.next_step = self._open_dir(name, dict(config or {}), target, root, resume)
         self.name = self.dir.name
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if self.ranks.is_main:
-            write_run_json(
-                self.dir,
-                {
-                    "name": self.name,
-                    "start_time": time.time(),
-                    "world_size": self.ranks.world_size,
-                    "config": dict(config or {}),
-                    "env": environment(),
-                },
-            )
         self.parquet = ParquetSink(
             self.dir / METRICS_DIR, self.ranks.rank, flush_interval_s=flush_interval_s
         )
         self.sinks: list[Sink] = [self.parquet, *sinks]
         self.sink_errors: dict[str, int] = {}
+        self._first_step_unknown = self.ranks.is_main  # run.json's segment waits for it
         self._closed = False
 
-    def _agree_on_dir(self, proposed: Path) -> Path:
-        if self.ranks.world_size > 1 and dist.is_available() and dist.is_initialized():
-            # Cold path, once per run: rank 0's clock names the directory for everyone.
-            box = [str(proposed)]
+    def _open_dir(
+        self,
+        name: str,
+        config: dict[str, Any],
+        run_dir: Path | None,
+        root: str | os.PathLike,
+        resume: bool,
+    ) -> tuple[Path, int]:
+        """(directory, next step) as rank 0 decided; its error raised on every rank."""
+        grouped = self.ranks.world_size > 1 and dist.is_available() and dist.is_initialized()
+        error: Exception | None = None
+        if self.ranks.is_main:
+            try:
+                claim = self._claim(name, config, run_dir, root, resume)
+            except Exception as e:
+                error, claim = e, _Claim(None, error=str(e), usage=isinstance(e, UsageError))
+        elif grouped:
+            claim = _Claim(None)  # rank 0's, once broadcast
+        elif run_dir is None:
+            raise UsageError(
+                f"rank {self.ranks.rank} of {self.ranks.world_size} cannot learn rank 0's run "
+                "directory without torch.distributed: call init_process_group() before "
+                "creating the Run, or pass run_dir"
+            )
+        else:
+            stored = last_step(run_dir) if resume and run_dir.is_dir() else None
+            claim = _Claim(str(run_dir), 0 if stored is None else stored + 1)
+        if grouped:
+            # Cold path, once per run: rank 0's claim names the directory for everyone.
+            box = [claim]
             dist.broadcast_object_list(box, src=0)
-            return Path(box[0])
-        return proposed
+            claim = box[0]
+        if error is not None:
+            raise error
+        if claim.path is None:
+            if claim.usage:
+                raise UsageError(claim.error)
+            raise RuntimeError(f"rank 0 could not open the run directory: {claim.error}")
+        directory = Path(claim.path)
+        directory.mkdir(parents=True, exist_ok=True)  # a node that does not share rank 0's disk
+        return directory, claim.next_step
+
+    def _claim(
+        self,
+        name: str,
+        config: dict[str, Any],
+        run_dir: Path | None,
+        root: str | os.PathLike,
+        resume: bool,
+    ) -> _Claim:
+        if run_dir is None:
+            path, resumed = make_unique_dir(default_run_dir(name, root)), False
+        else:
+            path, resumed = run_dir, claim_run_dir(run_dir, resume)
+        stored = last_step(path) if resumed else None
+        start_segment(path, path.name, new_segment(self.ranks.world_size, config), resumed)
+        return _Claim(str(path), 0 if stored is None else stored + 1)
 
     def records(self, step: int, values: Mapping[str, float]) -> list[StepRecord]:
         """StepRecords for ``values`` at ``step`` on this rank, names checked."""
@@ -100,11 +173,23 @@ class Run:
                     {f"run/self/{k}_errors_count": v for k, v in self.sink_errors.items()},
                 )
             )
+        if self._first_step_unknown and batch:
+            self._record_first_step(batch[0].step)
         for sink in list(self.sinks):
             try:
                 sink.write(batch)
             except Exception as e:
                 self._sink_failed(sink, e)
+
+    def _record_first_step(self, step: int) -> None:
+        # Once per segment, on rank 0: a read and a rewrite of run.json (~1 ms).
+        self._first_step_unknown = False
+        try:
+            set_first_step(self.dir, step)
+        except Exception as e:
+            if self.strict:
+                raise
+            print(f"syncless: could not record the first step in run.json ({e})", file=sys.stderr)
 
     def _sink_failed(self, sink: Sink, err: Exception) -> None:
         if self.strict:

@@ -2,9 +2,14 @@
 
 Layout::
 
-    runs/<YYYYmmdd-HHMMSS>-<name>/
-        run.json               config, versions, world size, host, git commit (rank 0)
+    runs/<YYYYmmdd-HHMMSS>-<name>[-N]/
+        run.json               config, versions, world size, host, git commit (rank 0),
+                               and a segment per start (the first, then each resume)
         metrics/rank00000-000001.parquet   step records, one shard per batch per rank
+
+Every run gets a directory of its own: :func:`make_unique_dir` claims a generated name
+(with a ``-2``, ``-3``, ... suffix on a collision), :func:`claim_run_dir` refuses a
+named one that already holds something unless the run resumes it.
 """
 
 from __future__ import annotations
@@ -26,8 +31,87 @@ METRICS_DIR = "metrics"
 FORMAT = "syncless-run/1"
 
 
+#: How many ``-N`` suffixes a generated name tries before giving up.
+MAX_SUFFIX = 1000
+
+
 def default_run_dir(name: str, root: str | os.PathLike = "runs") -> Path:
     return Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+
+
+def make_unique_dir(proposed: Path) -> Path:
+    """Create ``proposed``, or else the first free of ``proposed-2``, ``proposed-3``, ...
+
+    ``mkdir`` without ``exist_ok`` is the claim: atomic between processes, so two runs
+    started in the same second, which generate the same name, get two directories.
+    """
+    proposed.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, MAX_SUFFIX + 1):
+        path = proposed if n == 1 else proposed.with_name(f"{proposed.name}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise UsageError(
+        f"{MAX_SUFFIX} run directories named {str(proposed)!r}[-N] exist already; "
+        "pass a run name or directory of your own"
+    )
+
+
+def claim_run_dir(path: Path, resume: bool) -> bool:
+    """Make ``path``, a directory the user named, this run's; True if it resumes a run.
+
+    Creating it is the claim. An existing one goes through :func:`check_run_dir`.
+    """
+    try:
+        path.mkdir(parents=True)
+        return False
+    except FileExistsError:
+        return check_run_dir(path, resume)
+
+
+def check_run_dir(path: Path, resume: bool) -> bool:
+    """Whether a run may start in ``path``; True if it would resume the run there.
+
+    A missing or empty directory starts a new run. One that holds a run is refused
+    unless ``resume`` (a new segment of that run); one that holds anything else is
+    refused either way, so two runs' steps never mix in one directory.
+    """
+    if not path.exists():
+        return False
+    if not path.is_dir():
+        raise UsageError(f"run directory {str(path)!r} exists and is not a directory")
+    if resume and (path / RUN_JSON).is_file():
+        read_run_json(path)  # a clear error if it is not a syncless run
+        return True
+    held = _contents(path)
+    if not held:
+        return False
+    if resume:
+        raise UsageError(
+            f"cannot resume {str(path)!r}: it holds {held} but no {RUN_JSON}, so it is not "
+            "a syncless run; choose another directory"
+        )
+    raise UsageError(
+        f"run directory {str(path)!r} already holds {held}: a second run would mix its "
+        "steps into it; resume it (`syncless demo --resume`, `Run(resume=True)`) to add a "
+        "segment, or choose a new directory (or none, for a fresh one under runs/)"
+    )
+
+
+def _contents(path: Path) -> str:
+    """What ``path`` holds, in words; "" when empty (an empty metrics/ counts as empty:
+    another rank may have made it already)."""
+    entries = [p for p in path.iterdir() if not (p.name == METRICS_DIR and _empty(p))]
+    if (path / RUN_JSON).is_file():
+        shards = len(list((path / METRICS_DIR).glob("*.parquet")))
+        return f"a run ({RUN_JSON}, {shards} metric shard(s))"
+    return f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}" if entries else ""
+
+
+def _empty(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
 
 
 def environment() -> dict[str, Any]:
@@ -62,12 +146,28 @@ def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def write_run_json(run_dir: Path, meta: dict[str, Any]) -> None:
-    """Write ``run.json`` atomically (temp name, then rename)."""
-    doc = {"format": FORMAT, **meta}
-    tmp = run_dir / f".{RUN_JSON}.tmp"
+def write_run_json(run_dir: Path, meta: dict[str, Any], exclusive: bool = False) -> None:
+    """Write ``run.json`` atomically (temp name, then rename).
+
+    ``exclusive``: only if there is none yet (a hard link does not replace), so of two
+    runs starting in one empty directory, the second gets a UsageError.
+    """
+    doc = meta if "format" in meta else {"format": FORMAT, **meta}
+    tmp = run_dir / f".{RUN_JSON}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    os.replace(tmp, run_dir / RUN_JSON)
+    if not exclusive:
+        os.replace(tmp, run_dir / RUN_JSON)
+        return
+    try:
+        os.link(tmp, run_dir / RUN_JSON)
+    except FileExistsError:
+        raise UsageError(
+            f"another run started in {str(run_dir)!r} at the same time; choose a new directory"
+        ) from None
+    except OSError:  # a file system without hard links: the rename, not exclusive
+        os.replace(tmp, run_dir / RUN_JSON)
+        return
+    tmp.unlink()
 
 
 def read_run_json(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -92,3 +192,64 @@ def read_run_json(run_dir: str | os.PathLike) -> dict[str, Any]:
             f"(expected format {FORMAT!r}, found {meta.get('format') if isinstance(meta, dict) else None!r})"
         )
     return meta
+
+
+def new_segment(world_size: int, config: dict[str, Any]) -> dict[str, Any]:
+    """One start of a run: when, on how many ranks, with what config, seed and argv.
+
+    ``first_step`` is filled in by the first record the segment logs.
+    """
+    return {
+        "start_time": time.time(),
+        "world_size": world_size,
+        "seed": config.get("seed"),
+        "first_step": None,
+        "config": config,
+        "env": environment(),
+    }
+
+
+def start_segment(run_dir: Path, name: str, segment: dict[str, Any], resumed: bool) -> None:
+    """Record a start in ``run.json``: a new run's first segment, or one more segment of
+    a resumed run (earlier segments are kept; the top-level keys stay the first's)."""
+    if not resumed:
+        first = {k: segment[k] for k in ("start_time", "world_size", "config", "env")}
+        meta = {"name": name, **first, "segments": [segment]}
+        write_run_json(run_dir, meta, exclusive=True)
+        return
+    meta = read_run_json(run_dir)
+    # A run.json from before segments: its top-level keys were its one segment.
+    earlier = meta.get("segments") or [
+        {k: meta.get(k) for k in ("start_time", "world_size", "config", "env")}
+    ]
+    meta["segments"] = [*earlier, segment]
+    write_run_json(run_dir, meta)
+
+
+def set_first_step(run_dir: Path, step: int) -> None:
+    """Fill in the latest segment's ``first_step``."""
+    meta = read_run_json(run_dir)
+    if meta.get("segments"):
+        meta["segments"][-1]["first_step"] = step
+        write_run_json(run_dir, meta)
+
+
+def last_step(run_dir: Path) -> int | None:
+    """The highest step in the run's metric shards, None when it has none."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    best: int | None = None
+    for shard in (run_dir / METRICS_DIR).glob("*.parquet"):
+        # Row-group statistics: no column data read, ~0.2 ms a shard.
+        meta = pq.ParquetFile(shard).metadata
+        step_col = meta.schema.names.index("step")
+        for i in range(meta.num_row_groups):
+            stats = meta.row_group(i).column(step_col).statistics
+            if stats is not None and stats.has_min_max:
+                high = int(stats.max)
+            else:
+                high = pc.max(pq.read_table(shard, columns=["step"])["step"]).as_py()
+            if high is not None and (best is None or high > best):
+                best = high
+    return best
