@@ -48,8 +48,11 @@ MIB = 1 << 20
 POINTS = ("hidden", "moe_input")
 
 
-def parse_layers(spec: str, n_layers: int) -> list[int]:
-    """``all`` or a comma list of layer indices, checked against the model."""
+def parse_layers(spec: str, n_layers: int, where: str = "") -> list[int]:
+    """``all`` or a comma list of layer indices, checked against the model.
+
+    ``where``: what set the layer count, for the error (e.g. ``--preset tiny``).
+    """
     if spec.strip() == "all":
         return list(range(n_layers))
     try:
@@ -57,9 +60,11 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
     except ValueError:
         layers = []
     if not layers or not all(0 <= i < n_layers for i in layers):
+        source = f" ({where})" if where else ""
         raise UsageError(
-            f"--capture {spec!r}: expected 'all' or a comma list of layer indices in "
-            f"0..{n_layers - 1}, e.g. --capture 0,{n_layers - 1}"
+            f"--capture {spec!r}: the model has {n_layers} layer(s){source}; expected 'all' "
+            f"or a comma list of layer indices in 0..{n_layers - 1}, e.g. --capture "
+            f"0,{n_layers - 1}"
         )
     return layers
 
@@ -78,6 +83,7 @@ class CaptureTool:
         self.engine: CaptureEngine | None = None
         self._handles: list = []
         self._step = 0
+        self._first_step: int | None = None  # the loop's (a resumed run's is not 0)
         self._on = False
         self._comms = 0  # critical regions so far (step 0's set the pattern)
         self._in_region = False  # a counts exchange opened one its dispatch will end
@@ -161,8 +167,10 @@ class CaptureTool:
 
     def step_begin(self, step: int) -> None:
         self._step = step
+        if self._first_step is None:
+            self._first_step = step
         self._on = step % self.every == 0
-        if self.windows and step > 0 and not self._pattern_defined:
+        if self.windows and step > self._first_step and not self._pattern_defined:
             self._define_step_pattern()
 
     def step_end(self, step: int) -> None:

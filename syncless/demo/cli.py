@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+from pathlib import Path
 
 from syncless.demo.config import PRESETS, add_config_arguments, config_from_args
 from syncless.demo.launch import launch, strip_nproc
+from syncless.demo.signals import AGENT_PID_ENV, Stopped, die_with_parent, stop_on
 from syncless.errors import UsageError
-from syncless.run.rundir import default_run_dir
+from syncless.run.rundir import check_run_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +26,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nproc", type=int, default=None, help="run N ranks on this machine via torchrun"
     )
     parser.add_argument(
-        "--run-dir", default=None, help="run directory (default: runs/<time>-<name>)"
+        "--run-dir",
+        default=None,
+        help="run directory (default: a new runs/<time>-<name>); one that holds a run is "
+        "refused unless --resume",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="add a segment to the run in --run-dir: steps go on from its last stored step "
+        "(the demo keeps no checkpoint: the model starts afresh)",
     )
     parser.add_argument("--name", default=None, help="run name (default: demo-<preset>)")
     parser.add_argument(
@@ -161,7 +174,10 @@ def build_tools(args: argparse.Namespace) -> list:
 
         every = 10 if args.capture_every is None else args.capture_every
         cfg = config_from_args(args)
-        parse_layers(args.capture, cfg.n_layers)  # a clear error before training starts
+        where = f"--preset {args.preset}" + (
+            f", --n-layers {args.n_layers}" if args.n_layers is not None else ""
+        )
+        parse_layers(args.capture, cfg.n_layers, where)  # a clear error before training
         if args.capture_windows and not cfg.expert_parallel:
             raise UsageError(
                 "--capture-windows brackets the expert-parallel all-to-alls: it needs "
@@ -172,37 +188,75 @@ def build_tools(args: argparse.Namespace) -> list:
                 args.capture, every=every, windows=args.capture_windows, point=args.capture_point
             )
         )
-    elif args.capture_every is not None or args.capture_windows:
-        flag = "--capture-every" if args.capture_every is not None else "--capture-windows"
-        raise UsageError(f"{flag} needs --capture LAYERS")
+    elif args.capture_every is not None or args.capture_windows or args.capture_point != "hidden":
+        flag = (
+            "--capture-every"
+            if args.capture_every is not None
+            else "--capture-windows"
+            if args.capture_windows
+            else "--capture-point"
+        )
+        raise UsageError(f"{flag} needs --capture LAYERS (all, or e.g. 0,1)")
     return tools
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    from syncless.demo.train import run_demo  # torch import only when training
-
     cfg = config_from_args(args)  # validates the preset before anything starts
     name = args.name or f"demo-{args.preset}"
+    if args.resume and args.run_dir is None:
+        raise UsageError("--resume needs --run-dir: the directory of the run to resume")
     if args.nproc is not None:
         if args.nproc < 1:
             raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
         cfg.validate(world_size=args.nproc)
         build_tools(args)  # reject bad tool flags before starting the ranks
-        run_dir = args.run_dir or str(default_run_dir(name))
-        # Rank 0 prints the summary (or, with --quiet, the run directory) itself.
-        return launch(args.nproc, [*strip_nproc(argv), "--run-dir", run_dir, "--name", name])
-    cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    tools = build_tools(args)
-    result = run_demo(cfg, run_dir=args.run_dir, name=name, quiet=args.quiet, tools=tools)
+        if args.run_dir is not None:
+            check_run_dir(Path(args.run_dir), args.resume)  # refused before the ranks start
+        # Rank 0 claims the directory and prints the summary (or, with --quiet, the run
+        # directory) itself.
+        return launch(args.nproc, [*strip_nproc(argv), "--name", name])
     is_main = int(os.environ.get("RANK", "0")) == 0
+    try:
+        with _stopping():
+            result = _run_rank(args, cfg, name)
+    except Stopped as stop:
+        if is_main:
+            where = f"; run: {stop.run_dir}" if stop.run_dir is not None else ""
+            print(f"syncless: {stop}: logged steps are flushed{where}", file=sys.stderr)
+        return stop.exit_code
     if is_main:
         if args.quiet:
             print(result.run_dir)
         else:
             first, last = result.losses[0][1], result.losses[-1][1]
+            steps = f"{cfg.steps} steps" + (
+                f" from step {result.first_step}" if result.first_step else ""
+            )
             print(
-                f"loss {first:.3f} -> {last:.3f} over {cfg.steps} steps; run: {result.run_dir}\n"
+                f"loss {first:.3f} -> {last:.3f} over {steps}; run: {result.run_dir}\n"
                 f'query it: syncless query {result.run_dir} "SELECT * FROM metrics LIMIT 10"',
                 file=sys.stderr,
             )
     return 0
+
+
+def _run_rank(args: argparse.Namespace, cfg, name: str):
+    from syncless.demo.train import run_demo  # torch import only when training
+
+    cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    tools = build_tools(args)
+    return run_demo(
+        cfg, run_dir=args.run_dir, name=name, quiet=args.quiet, tools=tools, resume=args.resume
+    )
+
+
+def _stopping() -> contextlib.AbstractContextManager:
+    """SIGTERM (and, under torchrun, SIGINT) stops the demo with its data flushed."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        # One process: SIGINT stays KeyboardInterrupt, so a second Ctrl-C still
+        # interrupts a flush that hangs.
+        return stop_on([signal.SIGTERM])
+    # A rank: stop when torchrun dies, however it dies (syncless.demo.signals).
+    agent = os.environ.get(AGENT_PID_ENV)
+    die_with_parent(signal.SIGTERM, parent=int(agent) if agent else None)
+    return stop_on([signal.SIGINT, signal.SIGTERM])

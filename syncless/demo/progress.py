@@ -1,10 +1,11 @@
-"""The demo's live view: a progress bar and a compact table of recent steps.
+"""The demo's progress: a live bar and table on a terminal, plain lines in a log.
 
-It is a Sink like any other, so what it shows is exactly what lands in the run store.
+Both are Sinks like any other, so what they show is exactly what lands in the run store.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -22,10 +23,33 @@ COLUMNS = {
 }
 
 
+def progress_view(
+    total_steps: int, title: str, console: Console, first_step: int = 0
+) -> LiveView | ProgressLines:
+    """The live view on a terminal; elsewhere (a file, a pipe) plain lines as it goes."""
+    if console.is_terminal:
+        return LiveView(total_steps, title, console, first_step)
+    return ProgressLines(total_steps, title, console, first_step)
+
+
+def _latest(records: Sequence[StepRecord]) -> dict[int, dict[str, float]]:
+    """The shown columns of ``records``, by step."""
+    steps: dict[int, dict[str, float]] = {}
+    for r in records:
+        if r.name in COLUMNS:
+            steps.setdefault(r.step, {})[r.name] = r.value
+    return steps
+
+
 class LiveView:
-    def __init__(self, total_steps: int, title: str, console: Console | None = None) -> None:
+    """A progress bar and a table of the last 8 logged steps, redrawn in place."""
+
+    def __init__(
+        self, total_steps: int, title: str, console: Console | None = None, first_step: int = 0
+    ) -> None:
         self.console = console or Console(stderr=True)
         self.title = title
+        self.first_step = first_step
         self.rows: deque[tuple[int, dict[str, float]]] = deque(maxlen=8)
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
@@ -51,15 +75,12 @@ class LiveView:
         return Group(self.progress, table)
 
     def write(self, records: Sequence[StepRecord]) -> None:
-        steps: dict[int, dict[str, float]] = {}
-        for r in records:
-            if r.name in COLUMNS:
-                steps.setdefault(r.step, {})[r.name] = r.value
+        steps = _latest(records)
         if not steps:
             return
         for step in sorted(steps):
             self.rows.append((step, steps[step]))
-        self.progress.update(self.task, completed=max(steps) + 1)
+        self.progress.update(self.task, completed=max(steps) + 1 - self.first_step)
         self.live.update(self._render())
 
     def close(self) -> None:
@@ -67,3 +88,58 @@ class LiveView:
         self.live.stop()
         if not self.console.is_terminal:
             self.console.line()  # rich leaves a non-terminal stream mid-line
+
+
+class ProgressLines:
+    """One plain line per ``every_s`` seconds of logged steps, flushed: for a log file,
+    where a live view would print nothing until the run ends.
+
+    Example line::
+
+        syncless demo (cpu, 1 rank(s)): step 120 (121/200)  loss 2.4512  tokens/s 61,204  step ms 8.4  (5.0 s)
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        title: str,
+        console: Console,
+        first_step: int = 0,
+        every_s: float = 5.0,
+    ) -> None:
+        self.console = console
+        self.title = title
+        self.first_step = first_step
+        self.total_steps = total_steps
+        self.last = first_step + total_steps - 1
+        self.every_s = every_s
+        self.start = time.monotonic()
+        self._printed_at: float | None = None  # None: print the first logged step
+        self._unprinted: tuple[int, dict[str, float]] | None = None
+
+    def write(self, records: Sequence[StepRecord]) -> None:
+        steps = _latest(records)
+        if not steps:
+            return
+        step = max(steps)
+        self._unprinted = (step, steps[step])
+        now = time.monotonic()
+        if self._printed_at is None or now - self._printed_at >= self.every_s or step == self.last:
+            self._print(now)
+
+    def _print(self, now: float) -> None:
+        if self._unprinted is None or self.console.quiet:
+            return
+        step, values = self._unprinted
+        self._unprinted, self._printed_at = None, now
+        cells = "  ".join(
+            f"{header} {fmt.format(values[k])}"
+            for k, (header, fmt) in COLUMNS.items()
+            if k in values
+        )
+        done = f"{step + 1 - self.first_step}/{self.total_steps}"
+        line = f"{self.title}: step {step} ({done})  {cells}  ({now - self.start:.1f} s)"
+        print(line, file=self.console.file, flush=True)
+
+    def close(self) -> None:
+        self._print(time.monotonic())  # the last logged step, if not shown yet

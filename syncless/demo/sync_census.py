@@ -7,9 +7,10 @@ from syncless.guard import Census, census
 
 
 class SyncCensusTool:
-    """Runs ``syncless.guard.census()`` around steps ``first .. first + steps - 1``.
+    """Runs ``syncless.guard.census()`` around steps ``first .. first + steps - 1``,
+    counted from the loop's first step (0, or where a resumed run goes on).
 
-    Step 0 is skipped by default: it holds one-time work (optimizer state creation,
+    The first step is skipped by default: it holds one-time work (optimizer state creation,
     lazy initialisation) that says little about the steady state. The census covers
     the whole step, including the loss read-back of a logged step, prints its table
     (rank 0) and sends its records to the run store (every rank).
@@ -23,6 +24,7 @@ class SyncCensusTool:
         self.steps = steps
         self.first = first
         self.census: Census | None = None
+        self.start: int | None = None  # the loop's first step
         self.done = False
         self.syncs_per_step = 0.0
 
@@ -31,14 +33,17 @@ class SyncCensusTool:
         self.console = ctx.console
 
     def step_begin(self, step: int) -> None:
-        if step == self.first and not self.done:
+        if self.start is None:
+            self.start = step
+        if step == self.start + self.first and not self.done:
             self.census = census(start_step=step).__enter__()
 
     def step_end(self, step: int) -> None:
         if self.census is None:
             return
         self.census.step(step)
-        if step == self.first + self.steps - 1:
+        assert self.start is not None
+        if step == self.start + self.first + self.steps - 1:
             self._finish()
 
     def close(self) -> None:

@@ -20,7 +20,8 @@ from syncless.demo.data import BatchSampler, stdlib_corpus
 from syncless.demo.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from syncless.demo.model import MoETransformer, init_weights
 from syncless.demo.parallel import clip_grad_norm, init_distributed, sync_gradients
-from syncless.demo.progress import LiveView
+from syncless.demo.progress import progress_view
+from syncless.demo.signals import Stopped
 from syncless.demo.tools import DemoContext, DemoTool
 from syncless.profile import OFF
 from syncless.run import RankInfo, Run
@@ -30,6 +31,7 @@ from syncless.run import RankInfo, Run
 class DemoResult:
     run_dir: Path
     losses: list[tuple[int, float]] = field(default_factory=list)  # (step, global loss)
+    first_step: int = 0  # where a resumed run went on
 
 
 def pick_device(cfg: DemoConfig, ranks: RankInfo) -> torch.device:
@@ -80,14 +82,20 @@ def run_demo(
     quiet: bool = False,
     tools: Sequence[DemoTool] = (),
     console: Console | None = None,
+    resume: bool = False,
 ) -> DemoResult:
-    """Train the demo model for ``cfg.steps`` steps, logging every number to a run."""
+    """Train the demo model for ``cfg.steps`` steps, logging every number to a run.
+
+    ``resume``: add a segment to the run in ``run_dir`` (see :class:`syncless.run.Run`).
+    The demo keeps no checkpoint: a resumed run trains a fresh model, its steps
+    numbered on from the last one stored, so no step is stored twice.
+    """
     device_type = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
     owns_group = not dist.is_initialized()  # a caller's process group is the caller's to end
     ranks = init_distributed(device_type)
     try:
         cfg.validate(ranks.world_size)
-        return _train(cfg, ranks, run_dir, name, quiet, tools, console)
+        return _train(cfg, ranks, run_dir, name, quiet, tools, console, resume)
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -101,8 +109,39 @@ def _train(
     quiet: bool,
     tools: Sequence[DemoTool],
     console: Console | None,
+    resume: bool,
 ) -> DemoResult:
     device = pick_device(cfg, ranks)
+    world = ranks.world_size
+    # The run first: a directory that is not free stops the demo before it builds anything.
+    config = {**dataclasses.asdict(cfg), "world_size": world, "device": str(device)}
+    run = Run(
+        name=name,
+        config=config,
+        run_dir=run_dir,
+        flush_interval_s=cfg.flush_interval_s,
+        resume=resume,
+    )
+    try:
+        return _train_in(cfg, ranks, device, run, quiet, tools, console)
+    except Stopped as stop:
+        stop.run_dir = run.dir  # for the stop message
+        raise
+    finally:
+        for tool in tools:
+            tool.close()
+        run.close()
+
+
+def _train_in(
+    cfg: DemoConfig,
+    ranks: RankInfo,
+    device: torch.device,
+    run: Run,
+    quiet: bool,
+    tools: Sequence[DemoTool],
+    console: Console | None,
+) -> DemoResult:
     world = ranks.world_size
     expert_parallel = cfg.expert_parallel and world > 1
     dispatcher: Dispatcher = (
@@ -118,85 +157,74 @@ def _train(
     sampler = BatchSampler(corpus, cfg.seq_len, cfg.batch_size, ranks.rank, world, cfg.seed)
 
     console = console or Console(stderr=True, quiet=quiet or not ranks.is_main)
-    view = None
+    first = run.next_step  # 0, or on from a resumed run's last stored step
     if ranks.is_main and not quiet:
-        view = LiveView(cfg.steps, f"syncless demo ({device.type}, {world} rank(s))", console)
-    config = {**dataclasses.asdict(cfg), "world_size": world, "device": str(device)}
-    run = Run(
-        name=name,
-        config=config,
-        run_dir=run_dir,
-        sinks=[view] if view else [],
-        flush_interval_s=cfg.flush_interval_s,
-    )
+        title = f"syncless demo ({device.type}, {world} rank(s))"
+        run.sinks.append(progress_view(cfg.steps, title, console, first_step=first))
     demo_ctx = DemoContext(
         cfg, model, optimizer, run, console, expert_parallel, OFF, sampler.batch_at
     )
     for tool in tools:
         tool.attach(demo_ctx)
 
-    result = DemoResult(run.dir)
+    result = DemoResult(run.dir, first_step=first)
     tokens_per_step = cfg.batch_size * cfg.seq_len * world
-    last_time, last_step = time.perf_counter(), -1
-    try:
-        for step in range(cfg.steps):
-            for tool in tools:
-                tool.step_begin(step)
-            prof = demo_ctx.profiler  # per step: a benchmark may switch profilers between steps
-            with prof.section("data"):
-                batch = demo_ctx.batches(step)
-                inputs, targets = (t.to(device, non_blocking=True) for t in batch)
-            with prof.section("forward"), _autocast(cfg, device):
-                logits, balance = model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            with prof.section("backward"):
-                (loss + cfg.aux_loss_coef * balance).backward()
-            with prof.section("grad_sync", category="collective"):
-                sync_gradients(model, expert_parallel)
-                grad_norm = clip_grad_norm(model, cfg.grad_clip, expert_parallel)
-            with prof.section("optimizer"):
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            lr = schedule.get_last_lr()[0]
-            schedule.step()
-            for tool in tools:
-                enqueued = getattr(tool, "step_enqueued", None)  # optional (tools.py)
-                if enqueued is not None:
-                    enqueued(step)
-
-            if step % cfg.log_every == 0 or step == cfg.steps - 1:
-                prof.begin_section("log", category="sync")
-                # grad_norm is already global (equal on every rank), so the mean keeps it.
-                stats = torch.stack([loss.detach().float(), balance.detach().float(), grad_norm])
-                if world > 1:
-                    dist.all_reduce(stats)
-                    stats /= world
-                # The demo's one read-back per logged step.
-                loss_v, balance_v, grad_norm_v = stats.tolist()
-                now = time.perf_counter()
-                # Mean over the steps since the last log: a host timer per step would
-                # measure enqueue time, not device time, wherever the host runs ahead.
-                per_step_s = (now - last_time) / (step - last_step)
-                last_time, last_step = now, step
-                result.losses.append((step, loss_v))
-                run.log(
-                    step,
-                    {
-                        "demo/step/loss": loss_v,
-                        "demo/step/balance_loss": balance_v,
-                        "demo/step/grad_norm": grad_norm_v,
-                        "demo/step/lr": lr,
-                        "demo/step/step_ms": per_step_s * 1e3,
-                        "demo/step/tokens_per_s": tokens_per_step / per_step_s,
-                        **dispatcher.report(),  # pacing/* under --expert-parallel
-                    },
-                )
-                prof.end_section("log")
-            dispatcher.end_step()
-            for tool in tools:
-                tool.step_end(step)
-    finally:
+    last_time, last_step = time.perf_counter(), first - 1
+    final = first + cfg.steps - 1
+    for step in range(first, final + 1):
         for tool in tools:
-            tool.close()
-        run.close()
+            tool.step_begin(step)
+        prof = demo_ctx.profiler  # per step: a benchmark may switch profilers between steps
+        with prof.section("data"):
+            batch = demo_ctx.batches(step)
+            inputs, targets = (t.to(device, non_blocking=True) for t in batch)
+        with prof.section("forward"), _autocast(cfg, device):
+            logits, balance = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        with prof.section("backward"):
+            (loss + cfg.aux_loss_coef * balance).backward()
+        with prof.section("grad_sync", category="collective"):
+            sync_gradients(model, expert_parallel)
+            grad_norm = clip_grad_norm(model, cfg.grad_clip, expert_parallel)
+        with prof.section("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        lr = schedule.get_last_lr()[0]
+        schedule.step()
+        for tool in tools:
+            enqueued = getattr(tool, "step_enqueued", None)  # optional (tools.py)
+            if enqueued is not None:
+                enqueued(step)
+
+        if step % cfg.log_every == 0 or step == final:
+            prof.begin_section("log", category="sync")
+            # grad_norm is already global (equal on every rank), so the mean keeps it.
+            stats = torch.stack([loss.detach().float(), balance.detach().float(), grad_norm])
+            if world > 1:
+                dist.all_reduce(stats)
+                stats /= world
+            # The demo's one read-back per logged step.
+            loss_v, balance_v, grad_norm_v = stats.tolist()
+            now = time.perf_counter()
+            # Mean over the steps since the last log: a host timer per step would
+            # measure enqueue time, not device time, wherever the host runs ahead.
+            per_step_s = (now - last_time) / (step - last_step)
+            last_time, last_step = now, step
+            result.losses.append((step, loss_v))
+            run.log(
+                step,
+                {
+                    "demo/step/loss": loss_v,
+                    "demo/step/balance_loss": balance_v,
+                    "demo/step/grad_norm": grad_norm_v,
+                    "demo/step/lr": lr,
+                    "demo/step/step_ms": per_step_s * 1e3,
+                    "demo/step/tokens_per_s": tokens_per_step / per_step_s,
+                    **dispatcher.report(),  # pacing/* under --expert-parallel
+                },
+            )
+            prof.end_section("log")
+        dispatcher.end_step()
+        for tool in tools:
+            tool.step_end(step)
     return result

@@ -111,6 +111,10 @@ def test_bad_capture_flags(capsys):
     assert "expected 'all' or a comma list of layer indices in 0..1" in capsys.readouterr().err
     assert main(["demo", "--capture-every", "3"]) == 2
     assert "--capture-every needs --capture LAYERS" in capsys.readouterr().err
+    assert main(["demo", "--capture-point", "moe_input"]) == 2
+    assert "--capture-point needs --capture LAYERS" in capsys.readouterr().err
+    assert main(["demo", "--capture", "0,3"]) == 2  # the tiny preset has 2 layers
+    assert "the model has 2 layer(s) (--preset tiny)" in capsys.readouterr().err
     with pytest.raises(UsageError, match="--capture-point 'q': expected one of hidden, moe_input"):
         CaptureTool("0", point="q")
 
