@@ -38,6 +38,7 @@ from syncless.monitors.attention_stats import (
     PlanCache,
     RowPlan,
     check_lengths,
+    measure_sampled_traced,
     qk_stats,
     row_stride,
 )
@@ -366,6 +367,8 @@ class _LayerRecorder:
         # use every row once, and over the phase each row is used with probability
         # 1/stride, so scaling the sum by stride (Horvitz-Thompson) makes it an unbiased
         # estimate of the sum over all rows.
+        if torch.compiler.is_compiling():
+            return measure_sampled_traced(q, k, self.scale, plan)
         phase = self._next_phase(stride)
         rows = q[:, :, phase::stride]  # a view: the offset is a host int
         n_rows = rows.shape[2]

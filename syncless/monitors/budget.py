@@ -114,6 +114,13 @@ class Budget:
             )
         self.fraction = fraction
         self.fastest = dict(fastest)
+        # Set once a hook was traced by torch.compile: cadences become powers of two, so
+        # the monitors active at a step are always the ones with the shortest cadences.
+        # Dynamo compiles one graph per set of active monitors (it guards on each
+        # ``active`` flag); nested sets bound that at monitors + 1 graphs, under its
+        # recompile limit of 8, where free cadences (every 3 and every 5, say) made one
+        # per combination, hit the limit and ran the layers eagerly (issue #20).
+        self.aligned = False
         self.cadence = dict(fastest)  # in force (agreed across ranks)
         self.proposed = dict(fastest)  # this rank's plan
         self.group = group
@@ -231,6 +238,8 @@ class Budget:
             m: min(every, self.proposed[m] * (GROWTH if m in self._fresh else 1))
             for m, every in planned.items()
         }
+        if self.aligned:  # rounded up: the cost stays within the plan
+            self.proposed = {m: 1 << (every - 1).bit_length() for m, every in self.proposed.items()}
         self._fresh.clear()
         if self._ranks == 1:
             self.cadence = self.proposed

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from syncless.errors import UsageError
 from syncless.metrics import Landed, MetricSet, Readout
 from syncless.monitors.adapters import find_layers
-from syncless.monitors.base import AREA, Monitor, MonitorContext, recomputing
+from syncless.monitors.base import AREA, Monitor, MonitorContext, compiled_and_run, recomputing
 from syncless.monitors.budget import DEFAULT_BUDGET, Budget
 from syncless.monitors.output_read import fuse_output_reads
 from syncless.monitors.ranks import check_same_monitors
@@ -100,6 +101,7 @@ class MonitorHandle:
     def _set_cadence(self, step: int) -> None:
         budget = self.budget
         if budget is not None:
+            budget.aligned = self.ctx.compiled
             budget.agree(step)
         for m in self.monitors:
             if budget is not None:
@@ -348,6 +350,16 @@ def attach(
         first = model[0] if isinstance(model, Sequence) else model
         device = next(first.parameters()).device
     roots = list(model) if isinstance(model, Sequence) else [model]
+    if compiled_and_run(roots):
+        message = (
+            "attach() after the compiled model ran: torch.compile does not see hooks "
+            "added to modules it already compiled (torch._dynamo.config."
+            "skip_nnmodule_hook_guards is True), so some layers would record nothing. "
+            "Attach before the first step, or set that option to False before compiling."
+        )
+        if strict:
+            raise UsageError(message)
+        print(f"syncless: warning: {message}", file=sys.stderr)
     ctx = MonitorContext(model_map, MetricSet(group), roots)
     if budget is not None:
         ctx.budget = Budget(budget, {m.name: m.every for m in monitors}, device, group)

@@ -64,3 +64,64 @@ def test_monitors_add_no_graph_break_and_no_recompile(family, monitors):
     _, _, eager = _train(family, monitors, compiled=False)
     layers = {n: v for n, v in eager.items() if n.startswith("monitors/layer_")}
     assert layers and {n: compiled[n] for n in layers} == pytest.approx(layers, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_budget_cadences_and_sampled_attention_stay_within_dynamos_recompile_limit():
+    """With the budget moving cadences and attention sampling query rows, the compiled
+    layers keep a bounded set of graphs: before the fix, a host counter that rotated
+    the sampling phase and free cadences (every 3 and 5) made one graph per value and
+    combination, hit dynamo's recompile limit of 8, and ran the layers eagerly."""
+    from syncless.monitors.activations import ActivationsMonitor
+    from syncless.monitors.attention import AttentionMonitor
+    from syncless.monitors.moe import MoEMonitor
+
+    model = _model("mixtral")
+    # 64 elements: every call samples rows (stride > 1), the path the counter was on
+    monitors = [AttentionMonitor(max_elements=64), MoEMonitor(), ActivationsMonitor()]
+    handle = attach(model, monitors, lagged=False, budget=0.01)
+    dynamo.reset()
+    counters.clear()
+    run = torch.compile(model, backend="eager")
+    seen_sets = set()
+    with dynamo.config.patch(fail_on_recompile_limit_hit=True):  # raises at the limit
+        _steps(run, handle, monitors, seen_sets)
+    cadences = handle.cadences
+    handle.close()
+    assert handle.ctx.compiled
+    assert all(every & (every - 1) == 0 for every in cadences.values()), cadences
+    assert any(every > 1 for every in cadences.values()), cadences  # the budget acted
+    assert sum(counters["graph_break"].values()) == 0
+    # one graph per set of active monitors the compiled model met, and nested sets
+    assert counters["stats"]["unique_graphs"] <= len(seen_sets) <= len(monitors) + 1
+
+
+def _steps(run, handle, monitors, seen_sets: set) -> None:
+    for step in range(48):
+        seen_sets.add(frozenset(m.name for m in monitors if m.active))
+        ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(step))
+        run(ids, labels=ids).loss.backward()
+        handle.step(step)
+
+
+@pytest.mark.slow
+def test_attaching_after_the_compiled_model_ran_warns_and_strict_refuses(capsys):
+    from syncless.errors import UsageError
+
+    model = _model("llama")
+    dynamo.reset()
+    counters.clear()
+    model.compile(backend="eager")
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()
+    with pytest.raises(UsageError, match="after the compiled model ran"):
+        attach(model, build("activations"), lagged=False, budget=None, strict=True)
+    attach(model, build("activations"), lagged=False, budget=None).close()
+    assert "after the compiled model ran" in capsys.readouterr().err
+    # before any compiled step: no warning
+    fresh = _model("llama")
+    dynamo.reset()
+    counters.clear()
+    fresh.compile(backend="eager")
+    attach(fresh, build("activations"), lagged=False, budget=None).close()
+    assert "compiled" not in capsys.readouterr().err
