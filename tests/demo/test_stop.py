@@ -5,6 +5,7 @@ before the signal, and each must be gone (or a zombie) within the time limit aft
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,11 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _last_step(log: Path) -> int:
+    steps = [int(m) for m in re.findall(r"step (\d+) \(", log.read_text())]
+    return max(steps, default=-1)
+
+
 def _wait_for(condition, timeout_s: float, what: str, proc: subprocess.Popen, log: Path):
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -88,9 +94,11 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_its_records_flushed(tmp_
     with log.open("w") as out:
         launcher = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
-        # Rank 0 prints its first progress line after step 0's loss all_reduce: from
-        # then on both ranks are in the training loop.
-        _wait_for(lambda: "step 0 (" in log.read_text(), START_S, "start", launcher, log)
+        # Rank 0 prints a progress line after a step's loss all_reduce, the first at step
+        # 0 and then every 5 s. A step's records are emitted a step later (lagged), so
+        # at step 0 rank 1 may hold none yet (1 of 3 CI runs flushed rank 0's only):
+        # wait for a line past step 2, when both ranks have emitted records.
+        _wait_for(lambda: _last_step(log) >= 2, START_S, "start", launcher, log)
         tree = _descendants(launcher.pid)
         ranks = [p for p in tree if _cmdline(p).split()[1:4] == ["-u", "-m", "syncless.cli"]]
         assert len(ranks) == 2, {p: _cmdline(p) for p in tree}
