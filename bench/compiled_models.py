@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import logging
 import statistics
 import time
@@ -47,21 +46,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import transformers
 from hf_models import (
-    H200_BF16_PEAK,
     ModelSpec,
+    bench_device,
     build_workload,
     free_memory,
-    matmul_rate,
     model_specs,
     params_text,
     throughput,
     tiny,
+    write_json,
 )
 from results import append_result  # bench/ is on sys.path as a script
 from segments import (
@@ -381,12 +379,8 @@ def main() -> None:
     # of the graphs traced without them (see the module docstring).
     torch._dynamo.config.skip_nnmodule_hook_guards = False
     specs = model_specs(args.layers8b)
-    use_cuda = torch.cuda.is_available() and not args.tiny
-    device = torch.device("cuda" if use_cuda else "cpu")
-    matmul = matmul_rate() if use_cuda else None
-    if matmul:
-        print(f"bf16 8192^3 matmul: {matmul / 1e12:.0f} TFLOP/s ({matmul / H200_BF16_PEAK:.0%} "
-              "of the datasheet)")  # fmt: skip
+    device, matmul = bench_device(args.tiny)
+    use_cuda = device.type == "cuda"
     print(f"{device.type}, torch.compile per {args.compile_scope} ({args.backend}, guards on "
           f"module hooks), {stack_label(args.budget)}, seg {args.seg} / stack {args.stack_seg} "
           f"timed + {args.warmup} / {args.stack_warmup} warm-up steps, {args.rounds} rounds")  # fmt: skip
@@ -407,9 +401,7 @@ def main() -> None:
         free_memory()
     print(f"\n{time.perf_counter() - start:.0f} s in all")
     if args.json:
-        meta = {"torch": torch.__version__, "transformers": transformers.__version__,
-                "matmul_flops": matmul, "args": vars(args)}  # fmt: skip
-        Path(args.json).write_text(json.dumps({"meta": meta, "models": results}, indent=1))
+        write_json(args.json, matmul, args, results)
     if not args.no_append:
         append(results, args, use_cuda)
 

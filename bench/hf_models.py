@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -338,3 +340,23 @@ def throughput(work: Workload, step_s: float, matmul: float | None, label: str =
         if matmul:
             text += f" ({work.flops / step_s / matmul * 100:.1f}% of the measured matmul rate)"
     return text
+
+
+def bench_device(tiny: bool) -> tuple[torch.device, float | None]:
+    """The device a bench runs on (the GPU unless ``tiny``) and, on a GPU, its measured
+    bf16 matmul rate (printed: the MFU lines are read against it)."""
+    use_cuda = torch.cuda.is_available() and not tiny
+    matmul = matmul_rate() if use_cuda else None
+    if matmul:
+        print(f"bf16 8192^3 matmul: {matmul / 1e12:.0f} TFLOP/s ({matmul / H200_BF16_PEAK:.0%} "
+              "of the datasheet)")  # fmt: skip
+    return torch.device("cuda" if use_cuda else "cpu"), matmul
+
+
+def write_json(path: str, matmul: float | None, args: Any, results: dict[str, Any]) -> None:
+    """The raw results of a bench run, with the versions and arguments it ran with."""
+    import transformers
+
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__,
+            "matmul_flops": matmul, "args": vars(args)}  # fmt: skip
+    Path(path).write_text(json.dumps({"meta": meta, "models": results}, indent=1))

@@ -23,29 +23,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import statistics
 import time
 import traceback
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
-import torch
 import transformers
 from hf_models import (
-    H200_BF16_PEAK,
     ModelSpec,
+    bench_device,
     build_workload,
     count_syncs,
     free_memory,
-    matmul_rate,
     model_specs,
     params_text,
     throughput,
     tiny,
     train_step,
+    write_json,
 )
 from naive_monitors import NaiveMonitors  # bench/ is on sys.path as a script
 from results import append_result
@@ -250,12 +247,8 @@ def main() -> None:
     unknown = [m for m in args.models if m not in specs]
     if unknown:
         raise SystemExit(f"unknown model(s) {unknown}; choose from {list(specs)}")
-    use_cuda = torch.cuda.is_available() and not args.tiny
-    device = torch.device("cuda" if use_cuda else "cpu")
-    matmul = matmul_rate() if use_cuda else None
-    if matmul:
-        print(f"bf16 8192^3 matmul: {matmul / 1e12:.0f} TFLOP/s ({matmul / H200_BF16_PEAK:.0%} "
-              "of the datasheet)")  # fmt: skip
+    device, matmul = bench_device(args.tiny)
+    use_cuda = device.type == "cuda"
     print(f"{device.type}, {stack_label(args.budget)}, seg {args.seg} / stack {args.stack_seg}"
           f" timed + {args.warmup} warm-up steps, {args.rounds} rounds")  # fmt: skip
     results: dict[str, Any] = {}
@@ -276,9 +269,7 @@ def main() -> None:
             traceback.print_exc()
         free_memory()
     if args.json:
-        meta = {"torch": torch.__version__, "transformers": transformers.__version__,
-                "matmul_flops": matmul, "args": vars(args)}  # fmt: skip
-        Path(args.json).write_text(json.dumps({"meta": meta, "models": results}, indent=1))
+        write_json(args.json, matmul, args, results)
     if args.no_append:
         return
     precision = "bf16 autocast over fp32" if use_cuda else "fp32"
