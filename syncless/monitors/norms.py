@@ -193,7 +193,7 @@ class NormsMonitor:
                 group_of[m.layer, m.layout] = len(self._groups)
                 self._groups.append(_Group(m.layer, m.layout, slots[m.layer, sharded]))
             p = m.param
-            if m.param.numel() and (m.view is None or m.view[1]):  # empty shards add nothing
+            if p.numel() and (m.view is None or m.view[1]):  # empty shards add nothing
                 key = (p.device, p.dtype, type(p), m.view is None)
                 buckets.setdefault(key, []).append((m, group_of[m.layer, m.layout]))
         self._buckets = [[m.param for m, _ in b] for b in buckets.values()]
