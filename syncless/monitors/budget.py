@@ -19,6 +19,9 @@ that the stack stays under ``budget`` (a fraction of the step, default 1%):
   (their sum would count the hidden one too). A monitor's first active step is not
   measured: it compiles its kernels (2 s of host on the H200, which once set attention
   to every 1000 steps, where a smoothed mean would have kept it for thousands more).
+* **compiled hooks** (torch.compile traced them: no clock, no event, nothing on the
+  ledger): from step times, against steps that run none of them
+  (syncless.monitors.budget_compiled).
 * **step time**: the median of the host's wall time between the last ``WINDOW``
   ``handle.step`` calls (the training loop's period, device-paced when the step is
   GPU-bound; a step that saves a checkpoint does not move it).
@@ -55,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from syncless.cuda_driver import stream_capturing
+from syncless.monitors.budget_compiled import StepDeltas
 
 DEFAULT_BUDGET = 0.01
 PLANNED = 0.75  # of the budget given to the measured costs; the rest is headroom
@@ -143,6 +147,10 @@ class Budget:
         self._pending: deque[tuple[dict[str, list], dict[str, float]]] = deque()
         self._free: list[torch.cuda.Event] = []
         self._last_step_end: float | None = None
+        # Monitors whose hooks ran in compiled graphs (nothing on their ledger), and
+        # their costs from step times (syncless.monitors.budget_compiled).
+        self.compiled: set[str] = set()
+        self._deltas = StepDeltas()
         self.pair_ms = self._calibrate() if self._cuda else 0.0
 
     # -- hot path: around each hook call of a timed monitor -------------------------
@@ -179,14 +187,18 @@ class Budget:
         nothing itself, like the moe monitor on a dense model)."""
         now = self.clock()
         active = list(active)
-        if self._last_step_end is not None:
-            self._periods.append((now - self._last_step_end) * 1e3)
+        period = None if self._last_step_end is None else (now - self._last_step_end) * 1e3
+        if period is not None:
+            self._periods.append(period)
             self.step_ms = statistics.median(self._periods)
         self._last_step_end = now
         flush_share = flush_ms / len(active) if active else 0.0
         host = {m: (host_ns or {}).get(m, 0) / 1e6 + flush_share for m in active}
         for m in active:
             self._active_steps[m] += 1
+        if self.aligned:
+            self._compiled_step(period, active, host_ns or {})
+            host = {m: ms for m, ms in host.items() if m not in self.compiled}
         if self._cuda:
             timed = {m: host[m] for m in self.timing if m in host}
             if timed:
@@ -198,6 +210,20 @@ class Budget:
                 if self._active_steps[m] > 1:  # the first compiles and allocates
                     self._measured(m, ms)
         self._replan()
+
+    def _compiled_step(self, period: float | None, active: list[str], host_ns: dict) -> None:
+        """Under compile: the active monitors with no hook time are compiled ones; the
+        step's time, less what the others cost, goes to the step-time estimates."""
+        for m in active:
+            if not host_ns.get(m) and m not in self.compiled:
+                self.compiled.add(m)
+                self._costs[m].clear()  # the flush share it was billed is not its cost
+        if period is None:
+            return
+        compiled = frozenset(m for m in active if m in self.compiled)
+        billed = sum(self.cost_ms.get(m, 0.0) for m in active if m not in compiled)
+        for m, ms in self._deltas.add(period - billed, compiled).items():
+            self._measured(m, ms)
 
     def arm(self, active_next: Iterable[str]) -> None:
         """Which of the monitors active in the next step are timed there."""
@@ -240,7 +266,7 @@ class Budget:
             for m, every in planned.items()
         }
         if self.aligned:  # rounded up: the cost stays within the plan
-            self.proposed = {m: 1 << (every - 1).bit_length() for m, every in self.proposed.items()}
+            self.proposed = _aligned(self.proposed, self.compiled)
         self._fresh.clear()
         if self._ranks == 1:
             self.cadence = self.proposed
@@ -316,6 +342,17 @@ class Budget:
             f"syncless monitors: budget {self.fraction:.1%} of a {self.step_ms:.1f} ms step, "
             f"stack {sum(shares.values()):.2%}: " + "; ".join(parts)
         )
+
+
+def _aligned(proposed: dict[str, int], compiled: set[str]) -> dict[str, int]:
+    """Cadences rounded up to powers of two. Compiled monitors get at least 2 (a
+    baseline step every other step) and one each: two that always ran together could
+    only be billed their sum, split evenly (syncless.monitors.budget_compiled)."""
+    out = {m: 1 << (every - 1).bit_length() for m, every in proposed.items()}
+    taken = 1
+    for m in sorted(compiled & out.keys(), key=lambda m: (out[m], m)):
+        out[m] = taken = max(out[m], 2 * taken)
+    return out
 
 
 def _timed(done: int) -> bool:
