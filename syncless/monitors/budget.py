@@ -344,15 +344,29 @@ class Budget:
         )
 
 
+# The order compiled monitors' cadences grow in, cheapest first (ms per active step on
+# the H200, bench/RESULTS.md real_models: moe 0.2-1.4, activations and nonfinite about
+# 1, attention 2.5-5). Fixed, so the active sets are always prefixes of it: monitors + 1
+# graphs for the whole run. Re-ordered by measured costs, they added graphs with each
+# new order and hit dynamo's recompile limit (1 of 4 rounds at b7d1470: +57.7%).
+CHAIN_ORDER = ("moe", "activations", "nonfinite", "attention")
+
+
 def _aligned(proposed: dict[str, int], compiled: set[str]) -> dict[str, int]:
     """Cadences rounded up to powers of two. Compiled monitors get at least 2 (a
-    baseline step every other step) and one each: two that always ran together could
-    only be billed their sum, split evenly (syncless.monitors.budget_compiled)."""
+    baseline step every other step) and grow strictly along ``CHAIN_ORDER``: two that
+    always ran together could only be billed their sum, split evenly
+    (syncless.monitors.budget_compiled). Only ever longer than planned."""
     out = {m: 1 << (every - 1).bit_length() for m, every in proposed.items()}
     taken = 1
-    for m in sorted(compiled & out.keys(), key=lambda m: (out[m], m)):
+    for m in sorted(compiled & out.keys(), key=_chain_rank):
         out[m] = taken = max(out[m], 2 * taken)
     return out
+
+
+def _chain_rank(monitor: str) -> tuple[int, str]:
+    known = monitor in CHAIN_ORDER
+    return (CHAIN_ORDER.index(monitor) if known else len(CHAIN_ORDER), monitor)
 
 
 def _timed(done: int) -> bool:

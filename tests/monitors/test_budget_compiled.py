@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from syncless.monitors.budget import Budget
+from syncless.monitors.budget import CHAIN_ORDER, Budget
 from syncless.monitors.budget_compiled import StepDeltas
 
 BASE_MS = 100.0
@@ -20,7 +20,7 @@ COMPILED = {"attention": 4.0, "moe": 0.5, "activations": 1.0}  # ms per active s
 EAGER = {"norms": 3.0}  # its hooks are billed on their ledger, as in eager mode
 
 
-def _simulate(steps: int) -> Budget:
+def _simulate(steps: int, seen: set | None = None) -> Budget:
     fastest = dict.fromkeys(COMPILED, 1) | {"norms": 10}
     budget = Budget(0.01, fastest, "cpu")
     now = [0.0]
@@ -29,6 +29,8 @@ def _simulate(steps: int) -> Budget:
     noise = random.Random(0)
     for step in range(steps):
         active = [m for m, every in budget.cadence.items() if step % every == 0]
+        if seen is not None:
+            seen.add(frozenset(m for m in active if m in COMPILED))
         ms = BASE_MS + noise.uniform(-0.3, 0.3)
         ms += sum(COMPILED.get(m, 0.0) + EAGER.get(m, 0.0) for m in active)
         now[0] += ms / 1e3
@@ -49,6 +51,16 @@ def test_compiled_monitors_are_billed_from_step_times_and_fit_the_budget():
     true_share = sum(cost / every[m] for m, cost in (COMPILED | EAGER).items()) / BASE_MS
     assert true_share <= budget.fraction, (true_share, every)
     assert every["attention"] >= 8  # 4 ms of a 100 ms step cannot run often in 1%
+
+
+def test_the_active_sets_are_prefixes_of_one_order_for_the_whole_run():
+    """Each set is one compiled graph: prefixes of a fixed order keep them at monitors
+    + 1 (orders that followed the estimates hit dynamo's recompile limit)."""
+    seen: set = set()
+    _simulate(800, seen)
+    order = [m for m in CHAIN_ORDER if m in COMPILED]
+    prefixes = {frozenset(order[:i]) for i in range(len(order) + 1)}
+    assert seen <= prefixes, seen
 
 
 def test_each_step_up_the_chain_is_split_among_the_monitors_it_adds():

@@ -92,8 +92,8 @@ def test_budget_cadences_and_sampled_attention_stay_within_dynamos_recompile_lim
     assert all(every & (every - 1) == 0 for every in cadences.values()), cadences
     assert any(every > 1 for every in cadences.values()), cadences  # the budget acted
     assert sum(counters["graph_break"].values()) == 0
-    # one graph per set of active monitors the compiled model met
-    assert counters["stats"]["unique_graphs"] <= len(seen_sets)
+    # one graph per set of active monitors the compiled model met, prefixes of one order
+    assert counters["stats"]["unique_graphs"] <= len(seen_sets) <= len(monitors) + 1
 
 
 def _steps(run, handle, monitors, seen_sets: set) -> None:
