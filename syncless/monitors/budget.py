@@ -121,10 +121,10 @@ class Budget:
         # Set once a hook was traced by torch.compile: cadences become powers of two, so
         # the monitors active at a step are always the ones with the shortest cadences.
         # Dynamo compiles one graph per set of active monitors (it guards on each
-        # ``active`` flag); nested sets bound that at monitors + 1 graphs per order of
-        # the cadences, under its recompile limit of 8, where free cadences (every 3
-        # and every 5, say) made one per combination, hit the limit and ran the layers
-        # eagerly (issue #20).
+        # ``active`` flag); prefixes of one order (``CHAIN_ORDER``) bound that at
+        # monitors + 1 graphs, under its recompile limit of 8, where free cadences
+        # (every 3 and every 5, say) made one per combination, hit the limit and ran
+        # the layers eagerly (issue #20).
         self.aligned = False
         self.cadence = dict(fastest)  # in force (agreed across ranks)
         self.proposed = dict(fastest)  # this rank's plan
