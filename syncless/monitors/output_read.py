@@ -97,22 +97,26 @@ def _shared_hook(
         a, n = acts.active, nonf.active
         if not (a or n):
             return
-        # Traced by torch.compile: no clock read, no timing event, no engine query (each
-        # would break the graph). Otherwise an activation-checkpointing recompute skips.
-        traced = torch.compiler.is_compiling()
-        if not traced and recomputing():
+        if torch.compiler.is_compiling():
+            # Traced into the graph: no clock read, timing event or engine query (each
+            # breaks it), and no read of the budget's timed set: dynamo guards on what the
+            # trace reads, so that was one graph per set, the recompile limit within 60
+            # steps on qwen3-1.7b (H200, 660156c), and the hook eager from then on.
+            ctx.compiled = True  # replayed by dynamo after the graph: one store
+            if not (a and acts_record(hidden)) and n:
+                nonf_record(hidden)
+            return
+        if recomputing():  # an activation-checkpointing recompute: skipped, counted
             skips = ctx.recompute_skips
             for m in [acts.name] * a + [nonf.name] * n:
                 skips[m] = skips.get(m, 0) + 1
             return
-        start = 0 if traced else clock()
+        start = clock()
         budget = ctx.budget
         timed = budget is not None and (acts.name in budget.timing or nonf.name in budget.timing)
-        span = budget.begin() if timed and not traced else None  # type: ignore[union-attr]
+        span = budget.begin() if timed else None  # type: ignore[union-attr]
         if not (a and acts_record(hidden)) and n:
             nonf_record(hidden)
-        if traced:
-            return
         if span is not None:  # the shared read's device time, half each when both ran
             for m in [acts.name] * a + [nonf.name] * n:
                 budget.end(m, span, weight=1.0 / (a + n))  # type: ignore[union-attr]

@@ -130,3 +130,36 @@ def test_attaching_after_the_compiled_model_ran_warns_and_strict_refuses(capsys)
     fresh.compile(backend="eager")
     attach(fresh, build("activations"), lagged=False, budget=None).close()
     assert "compiled" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_budgets_timed_set_changing_adds_no_graph_to_the_shared_output_read():
+    """On CUDA the budget times a different set of monitors from step to step
+    (``Budget.timing``, empty on the CPU, so set here by hand). The output hook that
+    activations and nonfinite share read that set before it checked for tracing:
+    dynamo guarded on it, one graph per set, and on qwen3-1.7b (H200, 660156c) the
+    hook hit the recompile limit within 60 steps and ran eagerly from then on."""
+    from syncless.monitors.activations import ActivationsMonitor
+    from syncless.monitors.nonfinite import NonFiniteMonitor
+
+    model = _model("llama")
+    monitors = [ActivationsMonitor(), NonFiniteMonitor()]
+    handle = attach(model, monitors, lagged=False, budget=0.01)
+    assert handle.ctx.batches, "the two monitors share one output read"
+    dynamo.reset()
+    counters.clear()
+    model.compile(backend="eager")
+    names = ["activations", "nonfinite", "attention", "moe", "norms"]
+    sets = [frozenset(names[i] for i in range(5) if mask >> i & 1) for mask in range(12)]
+    seen = set()
+    with dynamo.config.patch(fail_on_recompile_limit_hit=True):  # raises at the limit
+        for step, timing in enumerate(sets):
+            handle.ctx.budget.timing = timing
+            seen.add(tuple(m.active for m in monitors))
+            ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(step))
+            model(ids, labels=ids).loss.backward()
+            handle.step(step)
+    handle.close()
+    assert handle.ctx.compiled
+    # the layer's graph and the output hook's, one each per active pair the steps met
+    assert counters["stats"]["unique_graphs"] <= 2 * len(seen)
