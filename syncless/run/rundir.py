@@ -15,6 +15,7 @@ named one that already holds something unless the run resumes it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import socket
@@ -235,21 +236,45 @@ def set_first_step(run_dir: Path, step: int) -> None:
 
 
 def last_step(run_dir: Path) -> int | None:
-    """The highest step in the run's metric shards, None when it has none."""
+    """The highest step in the run's readable metric shards, None when it has none.
+
+    A resume most often follows a crash, which is when a shard is cut short: an
+    unreadable one is skipped with a warning naming it (``syncless check`` reports it),
+    so the run goes on from the last step it can prove it stored.
+    """
+    import pyarrow as pa
+
+    best: int | None = None
+    for shard in sorted((run_dir / METRICS_DIR).glob("*.parquet")):
+        try:
+            high = _shard_last_step(shard)
+        except (OSError, pa.ArrowException, ValueError) as e:
+            logging.getLogger(__name__).warning(
+                "resume: skipped unreadable shard %s (%s); `syncless check %s` reports it",
+                shard,
+                str(e).splitlines()[0] if str(e) else type(e).__name__,
+                run_dir,
+            )
+            continue
+        if high is not None and (best is None or high > best):
+            best = high
+    return best
+
+
+def _shard_last_step(shard: Path) -> int | None:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    # Row-group statistics: no column data read, ~0.2 ms a shard.
+    meta = pq.ParquetFile(shard).metadata
+    step_col = meta.schema.names.index("step")
     best: int | None = None
-    for shard in (run_dir / METRICS_DIR).glob("*.parquet"):
-        # Row-group statistics: no column data read, ~0.2 ms a shard.
-        meta = pq.ParquetFile(shard).metadata
-        step_col = meta.schema.names.index("step")
-        for i in range(meta.num_row_groups):
-            stats = meta.row_group(i).column(step_col).statistics
-            if stats is not None and stats.has_min_max:
-                high = int(stats.max)
-            else:
-                high = pc.max(pq.read_table(shard, columns=["step"])["step"]).as_py()
-            if high is not None and (best is None or high > best):
-                best = high
+    for i in range(meta.num_row_groups):
+        stats = meta.row_group(i).column(step_col).statistics
+        if stats is not None and stats.has_min_max:
+            high = int(stats.max)
+        else:
+            high = pc.max(pq.read_table(shard, columns=["step"])["step"]).as_py()
+        if high is not None and (best is None or high > best):
+            best = high
     return best

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from run_store_helpers import make_run, truncate, write_shards
 
 from syncless.errors import UsageError
 from syncless.run import RankInfo, Run
@@ -165,3 +166,18 @@ def test_ranks_agree_on_the_suffixed_directory_and_on_a_refusal(tmp_path):
     assert dirs == [str(tmp_path / f"{FROZEN}-same-2")] * 2
     refused = spawn_gloo(_gloo_run, 2, tmp_path, tmp_path / f"{FROZEN}-same-2")
     assert all(r.startswith("UsageError: ") and "already holds a run" in r for r in refused)
+
+
+def test_resume_after_a_crash_skips_a_truncated_shard_with_a_warning(tmp_path, caplog):
+    """The shard a crash cut short: resume goes on from the last step it can read, and
+    names the shard, instead of failing with pyarrow's error."""
+    run_dir = make_run(tmp_path / "crashed")
+    first, second = write_shards(run_dir, 0, [[0, 1, 2, 3], [4, 5, 6]])
+    truncate(second)
+    with (
+        caplog.at_level("WARNING", logger="syncless.run.rundir"),
+        Run(run_dir=run_dir, resume=True) as run,
+    ):
+        assert run.next_step == 4  # steps 0-3 are the readable ones
+    assert second.name in caplog.text and "syncless check" in caplog.text
+    assert first.name not in caplog.text
