@@ -59,14 +59,14 @@ def test_budget_sets_the_cadence_from_host_cost_and_step_time_on_cpu():
     for _ in range(5):
         budget.step_end(["slow", "cheap"], {"slow": 2_000_000, "cheap": 20_000})
     # PLANNED of 1% is shared out (the rest is headroom): cheap, 0.1% at every step,
-    # fits its half; slow gets the rest, every ceil(10% / (0.75% - 0.1%)) = 16 steps
+    # fits its half; slow gets the rest, every ceil(10% / (0.6% - 0.1%)) = 20 steps
     planned = 0.01 * PLANNED
     slow_every = math.ceil(0.1 / (planned - 0.001))
-    assert slow_every == 16 and budget.cadence == {"slow": slow_every, "cheap": 1}
+    assert slow_every == 20 and budget.cadence == {"slow": slow_every, "cheap": 1}
     records = budget.records("monitors")
-    assert records["monitors/self/slow_every_steps"] == 16
+    assert records["monitors/self/slow_every_steps"] == 20
     assert records["monitors/self/step_ms"] == pytest.approx(20.0)
-    assert records["monitors/self/stack_share_frac"] == pytest.approx(0.1 / 16 + 0.001)
+    assert records["monitors/self/stack_share_frac"] == pytest.approx(0.1 / 20 + 0.001)
     assert "budget 1.0% of a 20.0 ms step" in budget.summary()
 
 
@@ -89,15 +89,15 @@ def test_a_cadence_grows_at_most_fourfold_per_measurement():
     budget = Budget(0.01, {"m": 1}, "cpu")
     budget.clock = fake_clock(0.010)
     seen = []
-    for step in range(200):  # 100% of a 10 ms step: it wants every 134 steps
+    for step in range(200):  # 100% of a 10 ms step: it wants every 167 steps
         active = ["m"] if step % budget.cadence["m"] == 0 else []
         budget.step_end(active, {"m": 10_000_000})
         if active:
             seen.append((step, budget.cadence["m"]))
     want = math.ceil(1.0 / (0.01 * PLANNED))
-    assert want == 134
+    assert want == 167
     # the first active step is not measured; each later one lets the cadence grow 4x
-    assert seen == [(0, 1), (1, GROWTH), (4, GROWTH**2), (16, GROWTH**3), (64, want), (134, want)]
+    assert seen == [(0, 1), (1, GROWTH), (4, GROWTH**2), (16, GROWTH**3), (64, want), (167, want)]
 
 
 def test_a_costly_outlier_does_not_stall_a_monitor():

@@ -18,6 +18,10 @@ from syncless.monitors.budget_compiled import StepDeltas
 BASE_MS = 100.0
 COMPILED = {"attention": 4.0, "moe": 0.5, "activations": 1.0}  # ms per active step
 EAGER = {"norms": 3.0}  # its hooks are billed on their ledger, as in eager mode
+NOISE_MS = 0.3  # each step's time is off by up to this much
+# A set's cost is a median of 5 steps less the baseline's median of 5: off by up to the
+# noise's amplitude (at most 0.32 ms over 6 seeds and run lengths of 400 to 1600 steps).
+FOUND_WITHIN_MS = NOISE_MS + 0.1
 
 
 def _simulate(steps: int, seen: set | None = None) -> Budget:
@@ -31,7 +35,7 @@ def _simulate(steps: int, seen: set | None = None) -> Budget:
         active = [m for m, every in budget.cadence.items() if step % every == 0]
         if seen is not None:
             seen.add(frozenset(m for m in active if m in COMPILED))
-        ms = BASE_MS + noise.uniform(-0.3, 0.3)
+        ms = BASE_MS + noise.uniform(-NOISE_MS, NOISE_MS)
         ms += sum(COMPILED.get(m, 0.0) + EAGER.get(m, 0.0) for m in active)
         now[0] += ms / 1e3
         host_ns = {m: int(EAGER[m] * 1e6) for m in active if m in EAGER}
@@ -43,7 +47,7 @@ def test_compiled_monitors_are_billed_from_step_times_and_fit_the_budget():
     budget = _simulate(800)
     assert budget.compiled == set(COMPILED)
     for m, cost in COMPILED.items():
-        assert budget.cost_ms[m] == pytest.approx(cost, abs=0.25), (m, budget.cost_ms)
+        assert budget.cost_ms[m] == pytest.approx(cost, abs=FOUND_WITHIN_MS), (m, budget.cost_ms)
     assert budget.cost_ms["norms"] == pytest.approx(EAGER["norms"])
     every = budget.cadence
     assert all(e & (e - 1) == 0 for e in every.values()), every
