@@ -15,6 +15,7 @@ import shlex
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,8 @@ HEADS = {
 }
 README_RUN = "runs/20261130-101500-demo-tiny"  # README's example run directory
 TIMEOUT = 300
+DEMO_NAMES = {f"demo/step/{n}" for n in
+              ("loss", "balance_loss", "grad_norm", "lr", "step_ms", "tokens_per_s")}  # fmt: skip  # what every demo logs
 
 
 def extract(text: str) -> list[tuple[int, str]]:
@@ -138,3 +141,26 @@ def table_rows(out: str) -> list[list[str]]:
     """The body rows of a `syncless query` table."""
     return [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines()
             if line.startswith("│")]  # fmt: skip
+
+
+RUN: dict[str, Callable[[Ctx], None]] = {}  # command -> its check
+
+
+def runs(*commands: str):
+    """Register the decorated check for each of ``commands``, as the docs spell them."""
+
+    def register(fn):
+        for command in commands:
+            RUN[command] = fn
+        return fn
+
+    return register
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("shared") / "run"
+    argv = [SYNCLESS, "demo", "--steps", "3", "--run-dir", str(run_dir), "--quiet"]
+    p = subprocess.run(argv, cwd=run_dir.parent, capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr
+    return run_dir

@@ -1,0 +1,173 @@
+"""The checks of the documented query, check, lint, simulator, example and bench commands
+(tests/test_documented_commands.py)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import shutil
+import sys
+
+import doc_commands as dc
+from doc_commands import DEMO_NAMES, Ctx, runs, sql, table_rows
+
+HOOK = """import torch
+
+
+class Monitor:
+    def attach(self, module: torch.nn.Module) -> None:
+        module.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        self.last = output.abs().max().item()
+"""  # one finding: SL001 on line 9, in forward hook `Monitor._hook`
+
+
+# ---- the run store ----------------------------------------------------------------
+
+
+@runs(
+    f"syncless query {dc.README_RUN} \"SELECT step, value FROM metrics WHERE name = 'demo/step/loss'\""
+)
+def _query_loss(ctx: Ctx) -> None:
+    rows = table_rows(ctx.run(ctx.argv()).stdout)
+    assert [r[0] for r in rows] == ["0", "1", "2"]
+    assert all(4.0 < float(r[1]) < 7.0 for r in rows)  # near ln(256) = 5.55 at the start
+
+
+@runs(
+    "syncless query RUN_DIR \"SELECT step, rank, value FROM metrics WHERE name = 'demo/step/step_ms'\""
+)
+def _query_step_ms(ctx: Ctx) -> None:
+    rows = table_rows(ctx.run(ctx.argv()).stdout)
+    assert [r[:2] for r in rows] == [["0", "0"], ["1", "0"], ["2", "0"]]
+    assert all(float(r[2]) > 0 for r in rows)
+
+
+@runs('syncless query RUN_DIR "SELECT name, avg(value) FROM metrics GROUP BY name" --format csv')
+def _query_csv(ctx: Ctx) -> None:
+    table = list(csv.reader(io.StringIO(ctx.run(ctx.argv()).stdout)))
+    assert table[0][0] == "name" and {r[0] for r in table[1:]} == DEMO_NAMES
+    argv = ctx.argv()
+    argv[-1] = "json"  # "# or json"
+    rows = json.loads(ctx.run(argv).stdout)
+    assert {r["name"] for r in rows} == DEMO_NAMES and all(len(r) == 2 for r in rows)
+
+
+@runs('syncless query RUN_DIR "SELECT ..." --strict')
+def _query_strict(ctx: Ctx) -> None:
+    argv = ctx.argv(**{"SELECT ...": "SELECT count(*) FROM metrics"})
+    assert table_rows(ctx.run(argv).stdout) == [["18"]]  # 6 names x 3 steps
+    broken = ctx.cwd / "broken"
+    shutil.copytree(argv[2], broken)
+    (broken / "metrics" / "rank00000-000099.parquet").write_bytes(b"not parquet")
+    argv[2] = str(broken)
+    p = ctx.run(argv, status=1)  # fails on the unreadable shard, naming it
+    assert "rank00000-000099.parquet" in p.stderr
+    p = ctx.run(argv[:-1])  # without --strict: skipped with a warning
+    assert "syncless: warning:" in p.stderr and "rank00000-000099.parquet" in p.stderr
+    assert table_rows(p.stdout) == [["18"]]
+
+
+@runs("syncless query ... | head -1")
+def _query_head(ctx: Ctx) -> None:
+    run_dir = str(ctx.request.getfixturevalue("shared_run"))
+    big = "SELECT a.* FROM metrics a, metrics b, metrics c"  # 18^3 rows: far past a pipe buffer
+    script = '"$0" query "$1" "$2" --format csv | head -1; exit "${PIPESTATUS[0]}"'
+    p = ctx.run(["bash", "-c", script, dc.SYNCLESS, run_dir, big])
+    assert p.stdout == "run,step,rank,name,value,time\n" and p.stderr == ""  # quietly, status 0
+
+
+@runs("syncless check RUN_DIR")
+def _check(ctx: Ctx) -> None:
+    out = ctx.run(ctx.argv()).stdout
+    assert out.rstrip().endswith(": healthy")
+    # rank 0: 18 records, steps 0..2, 3 distinct, stride 1, none missing
+    assert re.search(r"^\s*0\s+18\s+0\s+2\s+3\s+1\s+0\s", out, re.M), out
+
+
+@runs("syncless check", "syncless lint")
+def _bare(ctx: Ctx) -> None:  # the command's name: without its arguments, a usage error
+    p = ctx.run(ctx.argv(), status=2)
+    assert f"usage: {ctx.command} " in p.stderr
+
+
+# ---- lint, the simulator, examples and benches ------------------------------------
+
+
+@runs("syncless lint [--format {text,json}] [--config FILE] [--hot-path-pattern GLOB]")
+def _lint_synopsis(ctx: Ctx) -> None:
+    usage = " ".join(ctx.run([dc.SYNCLESS, "lint", "--help"]).stdout.split()).replace(" [-h]", "")
+    assert f"usage: {ctx.command} [--exclude GLOB] [--ignore CODE] PATH [PATH ...]" in usage
+
+
+@runs("syncless lint syncless/ my_monitors.py")
+def _lint(ctx: Ctx) -> None:
+    (ctx.cwd / "my_monitors.py").write_text(HOOK)
+    checked = len(list((dc.ROOT / "syncless").rglob("*.py"))) + 1
+    col = HOOK.splitlines()[8].index(".item()") + 1
+    # also the comment's `python -m syncless.lint PATH...`
+    for argv in (ctx.argv(), [sys.executable, "-m", "syncless.lint", *ctx.argv()[2:]]):
+        p = ctx.run(argv, status=1)  # 1: findings (in my_monitors.py; syncless/ is clean)
+        m = re.fullmatch(r"my_monitors\.py:9:(\d+): SL001 `\.item\(\)` .* in forward hook "
+                         r"`Monitor\._hook` \(.*\)\n", p.stdout)  # fmt: skip
+        assert m and col <= int(m.group(1)) <= col + 1, p.stdout
+        assert p.stderr == f"syncless lint: 1 finding in 1 file ({checked} files checked)\n"
+
+
+@runs("syncless lint --format json src/ > findings.json")
+def _lint_json(ctx: Ctx) -> None:
+    (ctx.cwd / "src").mkdir()
+    (ctx.cwd / "src" / "mon.py").write_text(HOOK)
+    with (ctx.cwd / "findings.json").open("w") as out:
+        ctx.run(ctx.argv()[: ctx.argv().index(">")], status=1, stdout=out)
+    (finding,) = json.loads((ctx.cwd / "findings.json").read_text())
+    assert set(finding) == {"path", "line", "col", "rule", "message", "function", "hint"}
+    assert (finding["rule"], finding["line"], finding["function"]) == ("SL001", 9, "Monitor._hook")
+
+
+@runs("python -m syncless.capture.simulate tests/capture/traces/static.json")
+def _simulate(ctx: Ctx) -> None:
+    summary = json.loads(ctx.run(ctx.argv()).stdout)
+    shown = {"occurrences": 20, "transfers": 20, "overruns": 5, "converged_at_occurrence": 5,
+             "grants": [8388608], "bytes_overlapping_critical": 90509184, "fallback": False}  # fmt: skip
+    assert {k: summary[k] for k in shown} == shown  # docs/capture.md's summary
+
+
+@runs("python -m syncless.capture.simulate: error: ...")
+def _simulate_error(ctx: Ctx) -> None:  # the documented message of an invalid trace
+    (ctx.cwd / "bad.json").write_text('{"bogus": 1}')
+    argv = [sys.executable, "-m", "syncless.capture.simulate", "bad.json"]
+    assert ctx.run(argv, status=2).stderr.startswith(ctx.command.removesuffix("..."))
+
+
+@runs(
+    "torchrun --nproc-per-node 2 examples/fsdp2_loop.py",
+    "torchrun --nproc-per-node 2 examples/fsdp2_loop.py --compile-backend aot_eager",
+)
+def _fsdp2_loop(ctx: Ctx) -> None:  # gloo on CPU; the default backend compiles with inductor
+    p = ctx.run([*ctx.argv(), "--steps", "3"])
+    run_dir = ctx.cwd / p.stdout.splitlines()[-1]  # rank 0 prints the run directory
+    assert json.loads((run_dir / "run.json").read_text())["world_size"] == 2
+    found = dict(sql(run_dir, "SELECT name, max(value) FROM metrics WHERE name IN ("
+                              "'monitors/layer_01/param_norm', 'monitors/layer_01/grad_norm', "
+                              "'monitors/global/attn_qk_logit_max', 'monitors/global/act_absmax', "
+                              "'monitors/self/attention_recompute_skipped_count') GROUP BY name"))  # fmt: skip
+    assert len(found) == 5  # every monitor recorded
+    assert found["monitors/self/attention_recompute_skipped_count"] > 0  # recomputes skipped
+
+
+@runs("python bench/pacing_ep.py --nproc 2")
+def _pacing_bench(ctx: Ctx) -> None:  # gloo on CPU at tiny size; --no-record keeps RESULTS.md
+    results = (dc.ROOT / "bench" / "RESULTS.md").read_bytes()
+    tiny = ["--preset", "tiny", "--rounds", "1", "--warmup", "1", "--block", "2", "--no-record"]
+    out = ctx.run([*ctx.argv(), *tiny]).stdout
+    names = [line.split()[0] for line in out.splitlines() if line[:1].isalpha()]
+    for config in ("drain", "static", *(f"static-paced/{d}" for d in (0, 1, 2, 4, 8)), "lookahead"):
+        assert config in names, out
+    assert re.search(
+        r"^(faster than drain with peak within 5%|no configuration is faster)", out, re.M
+    )
+    assert (dc.ROOT / "bench" / "RESULTS.md").read_bytes() == results
