@@ -1,4 +1,4 @@
-"""The ``syncless`` command: demo, query, check, lint."""
+"""The ``syncless`` command: demo, query, check, report, summary, trace, lint."""
 
 from __future__ import annotations
 
@@ -18,6 +18,48 @@ def _check(args: argparse.Namespace) -> int:
     from syncless.run import check
 
     return check.run(args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from syncless.report import html
+
+    return html.run(args)
+
+
+def _summary(args: argparse.Namespace) -> int:
+    from syncless.report import summary
+
+    return summary.run(args)
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from syncless.report import trace
+
+    return trace.run(args)
+
+
+def _add_view_commands(sub: argparse._SubParsersAction) -> None:
+    """report, summary, trace: their arguments live here, so ``--help`` imports no
+    plotting library."""
+    report = sub.add_parser(
+        "report",
+        help="write a self-contained HTML report of a run directory",
+        description="One HTML file (scripts inline: it opens without network) with the "
+        "run, its curves, per-layer heatmaps, step-time breakdown, data plane, captures "
+        "and what syncless cost.",
+    )
+    report.add_argument("run_dir", help="a run directory (runs/<time>-<name>)")
+    report.add_argument("-o", "--output", help="the HTML file (default RUN_DIR/report.html)")
+    summary = sub.add_parser("summary", help="print a run's essentials as tables in the terminal")
+    summary.add_argument("run_dir", help="a run directory (runs/<time>-<name>)")
+    trace = sub.add_parser(
+        "trace",
+        help="export the profiler's sections as a Chrome/Perfetto trace",
+        description="One JSON trace (Chrome trace event format) with a track per rank "
+        "and stream: open it in https://ui.perfetto.dev next to a torch profiler trace.",
+    )
+    trace.add_argument("run_dir", help="a run directory (runs/<time>-<name>)")
+    trace.add_argument("-o", "--output", help="the JSON file (default RUN_DIR/trace.json)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=lint_cli.DESCRIPTION,
     )
     lint_cli.add_arguments(lint)
+    _add_view_commands(sub)
     return parser
 
 
@@ -77,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
             return _query(args)
         if args.command == "check":
             return _check(args)
+        if args.command == "report":
+            return _report(args)
+        if args.command == "summary":
+            return _summary(args)
+        if args.command == "trace":
+            return _trace(args)
         if args.command == "lint":
             from syncless.lint import cli as lint_cli
 
