@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 # One pass over every record: everything below is read off these per-name rows
 # (a few hundred), not off the records. rowid keeps the order the records were written.
+# The last value is the highest step's on the lowest rank that has it.
 _TOTALS = """
-SELECT name, count(*), avg(value), min(value), max(value), arg_max(value, step),
+SELECT name, count(*), avg(value), min(value), max(value), arg_max(value, step * 1048576 - rank),
        sum(value), arg_max(step, value), arg_min(step, value), min(rowid)
 FROM metrics GROUP BY name
 """

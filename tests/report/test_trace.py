@@ -1,0 +1,112 @@
+"""syncless trace: Chrome trace JSON whose durations are the recorded section times."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from summary_trace_runs import PARTS, SECTIONS, WINDOWS, values, write_run
+
+from syncless.report.trace import Slice, layout, write_trace
+
+Values = dict[tuple[int, int, str], float]
+
+
+@pytest.fixture(scope="module")
+def known(tmp_path_factory) -> tuple[Values, list[dict]]:
+    vals = values()
+    run_dir = write_run(tmp_path_factory.mktemp("trace") / "run", vals)
+    path = write_trace(run_dir)
+    assert path == run_dir / "trace.json"
+    return vals, json.loads(path.read_text())["traceEvents"]
+
+
+def slices(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["ph"] == "X"]
+
+
+def test_every_event_has_the_chrome_fields_and_one_pid_per_rank(known) -> None:
+    _, events = known
+    for e in events:
+        assert {"ph", "ts", "pid", "tid", "name"} <= e.keys(), e
+    assert all("dur" in e and e["dur"] >= 0 for e in slices(events))
+    assert {e["pid"] for e in events} == {0, 1}
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+
+
+def test_durations_are_the_recorded_times(known) -> None:
+    vals, events = known
+    for rank, step in itertools.product((0, 1), WINDOWS):
+        mine = [e for e in slices(events) if e["pid"] == rank]
+        start = next(e["ts"] for e in mine if e["name"] == f"step {step}")
+        end = start + vals[step, rank, "profile/step/time_ms"] * 1e3
+        window = {e["name"]: e["dur"] for e in mine if start <= e["ts"] <= end}
+        expected = {name: vals[step, rank, f"profile/{name}/time_ms"] for name in SECTIONS}
+        expected |= {f"a2a/{p}": vals[step, rank, f"profile/a2a/{p}_ms"] for p in PARTS}
+        expected[f"step {step}"] = vals[step, rank, "profile/step/time_ms"]
+        assert window == pytest.approx({k: v * 1e3 for k, v in expected.items()}, abs=1e-3)
+
+
+def test_slices_of_a_track_nest_or_follow_never_cross(known) -> None:
+    _, events = known
+    tracks: dict[tuple[int, int], list[dict]] = {}
+    for e in slices(events):
+        tracks.setdefault((e["pid"], e["tid"]), []).append(e)
+    for track in tracks.values():
+        for a, b in itertools.combinations(track, 2):
+            a_end, b_end = a["ts"] + a["dur"], b["ts"] + b["dur"]
+            disjoint = a_end <= b["ts"] + 1e-3 or b_end <= a["ts"] + 1e-3
+            nested = (a["ts"] <= b["ts"] and b_end <= a_end + 1e-3) or (
+                b["ts"] <= a["ts"] and a_end <= b_end + 1e-3
+            )
+            assert disjoint or nested, (a, b)
+
+
+def test_forward_holds_its_children_and_the_step_holds_everything(known) -> None:
+    _, events = known
+    for rank, step in itertools.product((0, 1), WINDOWS):
+        mine = [e for e in slices(events) if e["pid"] == rank]
+        whole = next(e for e in mine if e["name"] == f"step {step}")
+        end = whole["ts"] + whole["dur"]
+        window = {e["name"]: e for e in mine if whole["ts"] <= e["ts"] <= end}
+        forward = window["forward"]
+        for child in ("attention", "router"):  # the profiler ran them inside forward
+            assert window[child]["args"]["depth"] == 1
+            assert forward["ts"] <= window[child]["ts"]
+            assert (
+                window[child]["ts"] + window[child]["dur"] <= forward["ts"] + forward["dur"] + 1e-3
+            )
+        assert all(e["ts"] + e["dur"] <= end + 1e-3 for e in window.values())
+
+
+def test_collective_phases_tile_the_collective_and_enqueue_has_its_own_track(known) -> None:
+    _, events = known
+    mine = [e for e in slices(events) if e["pid"] == 1]
+    a2a, rendezvous, transfer, enqueue = (
+        next(e for e in mine if e["name"] == n)
+        for n in ("a2a", "a2a/rendezvous", "a2a/transfer", "a2a/enqueue")
+    )
+    assert rendezvous["tid"] == transfer["tid"] == a2a["tid"] != enqueue["tid"]
+    assert rendezvous["ts"] == a2a["ts"]
+    assert transfer["ts"] == pytest.approx(rendezvous["ts"] + rendezvous["dur"], abs=1e-3)
+    assert rendezvous["dur"] + transfer["dur"] <= a2a["dur"]
+    assert enqueue["ts"] == pytest.approx(transfer["ts"], abs=1e-3)
+    assert a2a["args"]["late_rank"] == 1
+
+
+def test_layout_lays_flat_sections_end_to_end() -> None:
+    placed = layout([("a", 1.0), ("b", 2.0), ("c", 0.5)], step_ms=4.0)
+    assert placed == [Slice("a", 0.0, 1.0, 0), Slice("b", 1.0, 2.0, 0), Slice("c", 3.0, 0.5, 0)]
+
+
+def test_a_run_without_profiler_records_exits_1(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run", {(0, 0, "demo/step/loss"): 1.0}, world_size=1, ranks=(0,))
+    p = subprocess.run([sys.executable, "-m", "syncless.cli", "trace", str(run_dir)],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 1 and "no profiler records" in p.stderr
+    assert not (run_dir / "trace.json").exists()
