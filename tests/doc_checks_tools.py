@@ -171,3 +171,26 @@ def _pacing_bench(ctx: Ctx) -> None:  # gloo on CPU at tiny size; --no-record ke
         r"^(faster than drain with peak within 5%|no configuration is faster)", out, re.M
     )
     assert (dc.ROOT / "bench" / "RESULTS.md").read_bytes() == results
+
+
+# ---- syncless report (docs/report.md) -----------------------------------------------
+
+
+@runs("syncless report RUN_DIR")
+def _report_html(ctx: Ctx) -> None:
+    argv = ctx.argv()
+    run_dir = ctx.cwd / "run"  # a copy: the shared run stays as the demo left it
+    shutil.copytree(argv[2], run_dir)
+    argv[2] = str(run_dir)
+    p = ctx.run(argv)
+    page = run_dir / "report.html"  # the default: RUN_DIR/report.html
+    assert f"wrote {page}" in p.stdout
+    text = page.read_text()
+    for section in ("run", "curves"):  # a plain demo run: no monitors, no profiler
+        assert f'<section id="{section}">' in text
+    assert '<section id="attention">' not in text and "Plotly.newPlot(" in text
+    markup = re.sub(r"<script[^>]*>.*?</script>", "", text, flags=re.S)
+    assert not re.search(r"(?:src|href)=[\"']?https?://", markup)  # opens offline
+    out = ctx.cwd / "elsewhere.html"
+    ctx.run([*argv, "-o", str(out)])
+    assert out.stat().st_size > 4_000_000  # plotly.js inlined

@@ -1,0 +1,153 @@
+"""``syncless report RUN_DIR``: one self-contained HTML file about a run.
+
+:func:`build` loads the run (``report/data.py``), asks each section module for its
+sections and assembles the page: inline CSS, plotly.js inlined once, then every
+figure as a div and a script. Sections a run lacks are left out. The user's view is
+``docs/report.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from syncless.errors import UsageError
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
+    from syncless.report.data import RunData
+
+__all__ = ["Section", "build", "figure", "run", "table", "write"]
+
+log = logging.getLogger(__name__)
+
+CSS = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 0 auto; max-width: 1200px;
+       padding: 0 24px 48px; color: #1d1d1f; }
+h1 { font-size: 24px; margin: 24px 0 4px; }
+h2 { font-size: 19px; margin: 36px 0 8px; border-bottom: 1px solid #ddd; }
+h3 { font-size: 15px; margin: 20px 0 4px; }
+nav a { margin-right: 12px; }
+table { border-collapse: collapse; margin: 8px 0; }
+td, th { padding: 2px 10px; border-bottom: 1px solid #eee; text-align: left; }
+td.n { text-align: right; font-variant-numeric: tabular-nums; }
+.note { color: #555; }
+.worst { background: #fff4e5; border-left: 3px solid #f0a030; padding: 4px 10px; }
+.warn { background: #fdecea; border-left: 3px solid #d93025; padding: 4px 10px; }
+.chart { min-height: 320px; }
+"""
+
+
+class Section(NamedTuple):
+    """One part of the page: an anchor id, a heading and its HTML body."""
+
+    anchor: str
+    title: str
+    body: str
+
+
+def figure(fig: go.Figure, anchor: str, height: int = 340) -> str:
+    """A figure as a div and its script; plotly.js itself is inlined once by ``page``."""
+    fig.update_layout(height=height, margin={"l": 60, "r": 20, "t": 40, "b": 40})
+    config = {"displaylogo": False, "responsive": True}
+    body = fig.to_html(
+        full_html=False, include_plotlyjs=False, div_id=f"fig-{anchor}", config=config
+    )
+    return f'<div class="chart">{body}</div>'
+
+
+def table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
+    """An HTML table; numbers are right-aligned and printed with 4 significant digits."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(_cell(v) for v in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"<td>{html.escape(str(value))}</td>"
+    return (
+        f'<td class="n">{value:.4g}</td>'
+        if isinstance(value, float)
+        else (f'<td class="n">{value:,}</td>')
+    )
+
+
+def sections(data: RunData) -> list[Section]:
+    """Every section the run has data for, in page order."""
+    from syncless.report import sections_layers, sections_run, sections_time, sections_usage
+
+    builders: list[Callable[[RunData], list[Section]]] = [
+        sections_run.sections,
+        sections_layers.sections,
+        sections_time.sections,
+        sections_usage.sections,
+    ]
+    return [s for build_sections in builders for s in build_sections(data)]
+
+
+def build(run_dir: str | Path) -> str:
+    """The report of ``run_dir`` as one HTML document."""
+    from syncless.report.data import load
+    from syncless.run.store import RunStore
+
+    with RunStore(run_dir) as store:
+        data = load(store)
+    return page(data, sections(data))
+
+
+def page(data: RunData, parts: list[Section]) -> str:
+    from plotly.offline import get_plotlyjs
+
+    name = html.escape(str(data.info.get("name") or Path(str(data.info.get("path", ""))).name))
+    nav = " ".join(f'<a href="#{s.anchor}">{html.escape(s.title)}</a>' for s in parts)
+    warn = ""
+    if data.unreadable:
+        items = "".join(f"<li>{html.escape(u)}</li>" for u in data.unreadable)
+        warn = (
+            f'<div class="warn">{len(data.unreadable)} shard(s) could not be read and '
+            f"are left out of every number below:<ul>{items}</ul></div>"
+        )
+    body = "".join(
+        f'<section id="{s.anchor}"><h2>{html.escape(s.title)}</h2>{s.body}</section>' for s in parts
+    )
+    if not parts:
+        body = '<p class="note">The run recorded no metrics yet.</p>'
+    # plotly.js (~4.8 MB) inlined once: the file opens with no network. Every figure
+    # is written with include_plotlyjs=False and calls the global Plotly.
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>syncless report: {name}</title><style>{CSS}</style>"
+        f'<script type="text/javascript">{get_plotlyjs()}</script></head>'
+        f"<body><h1>syncless report: {name}</h1><nav>{nav}</nav>{warn}{body}"
+        f'<p class="note">Made by <code>syncless report</code> on '
+        f"{time.strftime('%Y-%m-%d %H:%M')}.</p></body></html>\n"
+    )
+
+
+def write(run_dir: str | Path, output: str | Path | None = None) -> Path:
+    """Write the report of ``run_dir`` (default ``RUN_DIR/report.html``); return its path."""
+    path = Path(output) if output else Path(run_dir) / "report.html"
+    text = build(run_dir)
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``syncless report`` command."""
+    started = time.perf_counter()
+    path = write(args.run_dir, args.output)
+    size = path.stat().st_size / 1e6
+    took = time.perf_counter() - started
+    print(f"wrote {path} ({size:.1f} MB, {took:.1f} s)", file=sys.stdout)
+    return 0
