@@ -27,19 +27,24 @@ def sections(data: RunData) -> list[Section]:
     return out
 
 
-def top_level(means: dict[str, float], step_ms: float) -> list[str]:
+def top_level(sections: dict[str, Series], step: Series | None) -> list[str]:
     """The sections stacked as the step's parts, largest first.
 
     Nesting is not in the metrics (a child's time is inside its parent's), so the
-    largest sections that fit in the step together are taken as top level; the
-    rest are listed in the table only. In the demo this picks forward, backward,
-    data, optimizer, grad_sync and log, leaving attention, router and experts nested.
+    largest sections that fit in the step together, at every recorded step, are
+    taken as top level; the rest are listed in the table only.
     """
-    chosen, used = [], 0.0
-    for name, ms in sorted(means.items(), key=lambda kv: -kv[1]):
-        if used + ms <= step_ms * 1.02:  # 2%: timer granularity and rounding
+    chosen: list[str] = []
+    used = np.zeros(step.mean.shape) if step is not None else 0.0
+    for name in sorted(sections, key=lambda n: -_mean(sections[n])):
+        s = sections[name]
+        if step is None:
             chosen.append(name)
-            used += ms
+            continue
+        ms = np.interp(step.steps, s.steps, s.mean) if len(s.steps) else np.zeros_like(used)
+        if np.all(used + ms <= step.mean * 1.02):  # 2%: timer granularity and rounding
+            chosen.append(name)
+            used = used + ms
     return chosen
 
 
@@ -59,7 +64,7 @@ def _profile(data: RunData) -> Section | None:
     step = data.series.get("profile/step/time_ms")
     step_ms = float(np.nanmean(step.mean)) if step else sum(_mean(s) for s in plain.values())
     means = {name: _mean(s) for name, s in plain.items()}
-    stacked = top_level(means, step_ms)
+    stacked = top_level(plain, step)
     body = ""
     if stacked:
         fig = go.Figure()
