@@ -96,8 +96,26 @@ def _demo_help(ctx: Ctx) -> None:
     flags += ["--preset", "--nproc", "--run-dir", "--resume", "--quiet", "--sync-census",
               "--monitors", "--monitor-every", "--monitor-budget", "--profile", "--profile-every",
               "--profile-trace", "--dataplane", "--capture", "--capture-every", "--capture-point",
-              "--capture-windows", "--no-shared-expert"]  # fmt: skip
+              "--capture-windows", "--no-shared-expert", "--sink"]  # fmt: skip
     assert [f for f in flags if f"{f} " not in out and f"[{f}" not in out] == []
+
+
+@runs("syncless demo --sink tensorboard --sink wandb")
+def _demo_sinks(ctx: Ctx) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, run_dir = ctx.demo()
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    for name in DEMO_NAMES:  # rank 0's records, as the shards hold them
+        query = f"SELECT step, value FROM metrics WHERE name = '{name}' ORDER BY step"
+        stored = sql(run_dir, query)
+        assert [(e.step, np.float32(e.value)) for e in events.Scalars(name)] == [
+            (step, np.float32(value)) for step, value in stored
+        ], name
+    (log,) = (run_dir / "wandb").glob("wandb/offline-run-*/run-*.wandb")  # an offline run
+    # Its history rows; tests/run/test_sink_wandb.py reads them back one by one.
+    assert b"tokens_per_s" in log.read_bytes()
 
 
 # ---- the demo's tools -------------------------------------------------------------

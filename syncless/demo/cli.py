@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import signal
 import sys
@@ -14,6 +15,15 @@ from syncless.demo.launch import launch, strip_nproc
 from syncless.demo.signals import AGENT_PID_ENV, Stopped, die_with_parent, stop_on
 from syncless.errors import UsageError
 from syncless.run.rundir import check_run_dir
+
+SINKS = ("tensorboard", "wandb")  # each the name of its extra and of its package
+
+
+def check_sinks(names: list[str]) -> None:
+    """A missing extra stops the demo before any rank starts."""
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            raise UsageError(f'--sink {name} needs {name}: pip install "syncless[{name}]"')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=None, help="run name (default: demo-<preset>)")
     parser.add_argument(
         "--quiet", action="store_true", help="no live view; print only the run directory"
+    )
+    parser.add_argument(
+        "--sink",
+        action="append",
+        choices=SINKS,
+        default=[],
+        help="also write rank 0's records to TensorBoard (RUN_DIR/tensorboard) or to an "
+        "offline wandb run (RUN_DIR/wandb); repeatable; each needs the extra of its name",
     )
     tools = parser.add_argument_group("syncless tools")
     tools.add_argument(
@@ -205,6 +223,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     name = args.name or f"demo-{args.preset}"
     if args.resume and args.run_dir is None:
         raise UsageError("--resume needs --run-dir: the directory of the run to resume")
+    check_sinks(args.sink)
     if args.nproc is not None:
         if args.nproc < 1:
             raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
@@ -246,7 +265,13 @@ def _run_rank(args: argparse.Namespace, cfg, name: str):
     cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
     tools = build_tools(args)
     return run_demo(
-        cfg, run_dir=args.run_dir, name=name, quiet=args.quiet, tools=tools, resume=args.resume
+        cfg,
+        run_dir=args.run_dir,
+        name=name,
+        quiet=args.quiet,
+        tools=tools,
+        resume=args.resume,
+        sinks=args.sink,
     )
 
 

@@ -24,7 +24,7 @@ from syncless.demo.progress import progress_view
 from syncless.demo.signals import Stopped
 from syncless.demo.tools import DemoContext, DemoTool
 from syncless.profile import OFF
-from syncless.run import RankInfo, Run
+from syncless.run import RankInfo, Run, Sink
 
 
 @dataclass
@@ -83,22 +83,39 @@ def run_demo(
     tools: Sequence[DemoTool] = (),
     console: Console | None = None,
     resume: bool = False,
+    sinks: Sequence[str] = (),
 ) -> DemoResult:
     """Train the demo model for ``cfg.steps`` steps, logging every number to a run.
 
     ``resume``: add a segment to the run in ``run_dir`` (see :class:`syncless.run.Run`).
     The demo keeps no checkpoint: a resumed run trains a fresh model, its steps
     numbered on from the last one stored, so no step is stored twice.
+    ``sinks``: ``"tensorboard"``, ``"wandb"``: rank 0 also writes its records there.
     """
     device_type = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
     owns_group = not dist.is_initialized()  # a caller's process group is the caller's to end
     ranks = init_distributed(device_type)
     try:
         cfg.validate(ranks.world_size)
-        return _train(cfg, ranks, run_dir, name, quiet, tools, console, resume)
+        return _train(cfg, ranks, run_dir, name, quiet, tools, console, resume, sinks)
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def view_sinks(names: Sequence[str], run_dir: Path) -> list[Sink]:
+    """The demo's ``--sink`` views, written under the run directory."""
+    out: list[Sink] = []
+    if "tensorboard" in names:
+        from syncless.run.sink_tensorboard import TensorBoardSink
+
+        out.append(TensorBoardSink(run_dir / "tensorboard"))
+    if "wandb" in names:
+        from syncless.run.sink_wandb import WandbSink
+
+        (run_dir / "wandb").mkdir(exist_ok=True)
+        out.append(WandbSink(project="syncless-demo", name=run_dir.name, dir=run_dir / "wandb"))
+    return out
 
 
 def _train(
@@ -110,6 +127,7 @@ def _train(
     tools: Sequence[DemoTool],
     console: Console | None,
     resume: bool,
+    sinks: Sequence[str] = (),
 ) -> DemoResult:
     device = pick_device(cfg, ranks)
     world = ranks.world_size
@@ -122,6 +140,9 @@ def _train(
         flush_interval_s=cfg.flush_interval_s,
         resume=resume,
     )
+    if ranks.is_main:
+        # Per-run views: rank 0's records, the demo's step numbers being global already.
+        run.sinks += view_sinks(sinks, run.dir)
     try:
         return _train_in(cfg, ranks, device, run, quiet, tools, console)
     except Stopped as stop:

@@ -18,6 +18,8 @@ _HOMES = {
     "StepRecords": "syncless.run.records",
     "check_metric_name": "syncless.run.records",
     "Run": "syncless.run.run",
+    "TensorBoardSink": "syncless.run.sink_tensorboard",
+    "WandbSink": "syncless.run.sink_wandb",
     "ConsoleSink": "syncless.run.sinks",
     "Sink": "syncless.run.sinks",
     "RunStore": "syncless.run.store",
@@ -34,7 +36,9 @@ __all__ = [
     "Sink",
     "StepRecord",
     "StepRecords",
+    "TensorBoardSink",
     "UnreadableShardError",
+    "WandbSink",
     "check_metric_name",
     "open",
     "rank_info",
@@ -45,6 +49,8 @@ if TYPE_CHECKING:
     from syncless.run.parquet import ParquetSink
     from syncless.run.records import StepRecord, StepRecords, check_metric_name
     from syncless.run.run import Run
+    from syncless.run.sink_tensorboard import TensorBoardSink
+    from syncless.run.sink_wandb import WandbSink
     from syncless.run.sinks import ConsoleSink, Sink
     from syncless.run.store import RunStore, UnreadableShardError, open
 
