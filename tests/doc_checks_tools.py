@@ -194,3 +194,44 @@ def _report_html(ctx: Ctx) -> None:
     out = ctx.cwd / "elsewhere.html"
     ctx.run([*argv, "-o", str(out)])
     assert out.stat().st_size > 4_000_000  # plotly.js inlined
+
+
+# ---- syncless summary and trace (docs/report.md) ------------------------------------
+
+
+def _profiled_run(ctx: Ctx) -> str:
+    """A tiny demo run with profiler records: it reports every 2 steps (every 10 by
+    default, which 5 steps never reach)."""
+    run_dir = ctx.cwd / "profiled"
+    demo = ["demo", "--profile", "events", "--profile-every", "2", "--steps", "5"]
+    ctx.run([dc.SYNCLESS, *demo, "--run-dir", str(run_dir), "--quiet"])
+    return str(run_dir)
+
+
+@runs("syncless summary RUN_DIR")
+def _summary(ctx: Ctx) -> None:
+    out = ctx.run(ctx.argv()).stdout  # the shared run: a plain demo, no profiler
+    assert re.search(r"world size\s+1 \(1 with records\)", out) and "demo/step/loss" in out
+    assert "where step time goes" not in out and "worst layers" not in out
+    argv = ctx.argv()
+    argv[2] = _profiled_run(ctx)
+    out = ctx.run(argv).stdout
+    assert "where step time goes" in out and re.search(r"^\s+forward\s", out, re.M)
+    assert "profile/self/host_ms" in out  # what syncless cost
+
+
+@runs("syncless trace RUN_DIR -o trace.json")
+def _trace(ctx: Ctx) -> None:
+    argv = ctx.argv()
+    p = ctx.run(argv, status=1)  # the shared run was trained without a profiler
+    assert "no profiler records" in p.stderr
+    argv[2] = _profiled_run(ctx)
+    assert "ui.perfetto.dev" in ctx.run(argv).stdout
+    events = json.loads((ctx.cwd / "trace.json").read_text())["traceEvents"]
+    slices = {e["name"]: e for e in events if e["ph"] == "X"}
+    assert {"step 1", "step 3", "forward", "attention", "backward"} <= slices.keys()
+    forward, attention = slices["forward"], slices["attention"]
+    assert forward["ts"] <= attention["ts"] <= forward["ts"] + forward["dur"]  # nested
+    recorded = sql(argv[2], "SELECT value FROM metrics WHERE name = 'profile/backward/time_ms' "
+                            "AND step = 3")[0][0]  # fmt: skip
+    assert slices["backward"]["dur"] == round(recorded * 1e3, 3)  # the last window's

@@ -144,12 +144,14 @@ def _num(value: float | None, digits: int = 4) -> str:
     return f"{value:.{digits}g}"
 
 
-def _table(title: str, *columns: str) -> Table:
-    return Table(*columns, box=box.SIMPLE, title=title, title_justify="left")
+def _table(title: str, *columns: str, header: bool = True) -> Table:
+    # min_width: a title wider than its columns would wrap.
+    return Table(*columns, box=box.SIMPLE, title=title, title_justify="left",
+                 min_width=len(title) + 2, show_header=header)  # fmt: skip
 
 
 def _run_table(t: RunTotals) -> Table:
-    table = _table("run", "", "")
+    table = _table("run", "", "", header=False)
     info, env = t.info, t.info.get("env") or {}
     config = info.get("config") or {}
     table.add_row("name", str(info.get("name", "-")))
