@@ -235,7 +235,8 @@ def _layers_table(t: RunTotals) -> Table | None:
 def _collectives(t: RunTotals) -> list[str]:
     names = {n.rsplit("/", 2)[1] for n in t.stats if n.startswith("profile/")
              and n.rsplit("/", 1)[1] in {f"{p}_ms" for p in _PARTS}}  # fmt: skip
-    return sorted(names, key=lambda c: t.stats.get(f"profile/{c}/time_ms", Stat(*[0] * 9)).order)
+    whole = {c: t.stats.get(f"profile/{c}/time_ms") for c in names}
+    return sorted(names, key=lambda c: (whole[c].order if whole[c] else 0, c))
 
 
 def culprit(t: RunTotals, late_rank: int) -> tuple[str, float] | None:

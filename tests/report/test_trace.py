@@ -110,3 +110,15 @@ def test_a_run_without_profiler_records_exits_1(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=60)  # fmt: skip
     assert p.returncode == 1 and "no profiler records" in p.stderr
     assert not (run_dir / "trace.json").exists()
+
+
+def test_summary_and_trace_import_no_torch(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run", values())
+    code = (
+        "import sys; from syncless.cli import main\n"
+        f"assert main(['summary', {str(run_dir)!r}]) == 0\n"
+        f"assert main(['trace', {str(run_dir)!r}]) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
