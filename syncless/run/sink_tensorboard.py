@@ -17,15 +17,15 @@ from syncless.run.sink_thread import ThreadedSink
 VECTOR_ELEMENT = re.compile(r"^(?P<prefix>.+)/(?:head|expert)_\d+$")
 
 
-def _summary_writer() -> Any:
+def _file_writer() -> Any:
     try:
         # torch.utils.tensorboard needs the tensorboard package; torch itself is here.
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.writer import FileWriter
     except ImportError as e:
         raise ImportError(
             'TensorBoardSink needs tensorboard: pip install "syncless[tensorboard]"'
         ) from e
-    return SummaryWriter
+    return FileWriter
 
 
 class TensorBoardSink(ThreadedSink):
@@ -51,7 +51,7 @@ class TensorBoardSink(ThreadedSink):
 
     def __init__(self, logdir: str | os.PathLike, flush_secs: float = 30.0) -> None:
         # Checked here, on the caller's thread: a missing extra is a setup error.
-        self._writer_class = _summary_writer()
+        self._writer_class = _file_writer()
         super().__init__(thread_name="syncless-tensorboard")
         self.logdir = Path(logdir)
         self.flush_secs = flush_secs
@@ -61,25 +61,29 @@ class TensorBoardSink(ThreadedSink):
         self.writer = self._writer_class(str(self.logdir), flush_secs=self.flush_secs)
 
     def consume(self, records: StepRecords) -> None:
-        # 60 ms per step of 1,536 monitor records here (2-core CPU), mostly holding the
-        # GIL: SummaryWriter builds a protobuf per scalar in Python.
-        vectors: dict[tuple[int, str], list[float]] = defaultdict(list)
-        times: dict[tuple[int, str], float] = {}
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard.summary import histogram
+
+        # One event per (step, wall time) holding all its scalars: 4.4 ms for 1,536
+        # monitor records against 71 ms with SummaryWriter.add_scalar, which builds an
+        # event per scalar, all of it Python holding the GIL the training thread needs
+        # (2-core CPU, tensorboard 2.21).
+        scalars: dict[tuple[int, float], list[Any]] = defaultdict(list)
+        vectors: dict[tuple[int, float, str], list[float]] = defaultdict(list)
         for _, step, _, names, values, time in records.chunks():
             for name, value in zip(names, values, strict=True):
                 # Lagged records (a monitor's step s after step s + 1) are fine:
                 # TensorBoard orders a tag's points by step when it reads them.
-                self.writer.add_scalar(name, value, global_step=step, walltime=time)
+                scalars[(step, time)].append(Summary.Value(tag=name, simple_value=value))
                 element = VECTOR_ELEMENT.match(name)
                 if element is not None:
-                    key = (step, element["prefix"])
-                    vectors[key].append(value)
-                    times[key] = time
+                    vectors[(step, time, element["prefix"])].append(value)
+        for (step, time), values in scalars.items():
+            self.writer.add_summary(Summary(value=values), step, time)
         # A monitor readout emits all elements of one step together, in one batch.
-        for (step, prefix), values in vectors.items():
-            self.writer.add_histogram(
-                prefix, np.asarray(values), global_step=step, walltime=times[(step, prefix)]
-            )
+        for (step, time, prefix), values in vectors.items():
+            summary = histogram(prefix, np.asarray(values), "auto")  # numpy picks the edges
+            self.writer.add_summary(summary, step, time)
 
     def finish(self) -> None:
         self.writer.close()  # flushes the events still queued
