@@ -62,28 +62,43 @@ class TensorBoardSink(ThreadedSink):
 
     def consume(self, records: StepRecords) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
-        from torch.utils.tensorboard.summary import histogram
 
-        # One event per (step, wall time) holding all its scalars: 4.4 ms for 1,536
-        # monitor records against 71 ms with SummaryWriter.add_scalar, which builds an
-        # event per scalar, all of it Python holding the GIL the training thread needs
-        # (2-core CPU, tensorboard 2.21).
-        scalars: dict[tuple[int, float], list[Any]] = defaultdict(list)
+        # One event per (step, wall time) holds its scalars and histograms: 1,536
+        # monitor records took 71 ms with SummaryWriter.add_scalar per record and 20 ms
+        # more for torch's histogram helper per vector family, all Python holding the
+        # GIL the training thread needs (bench/sink_cost.py, bench/RESULTS.md).
+        events: dict[tuple[int, float], list[Any]] = defaultdict(list)
         vectors: dict[tuple[int, float, str], list[float]] = defaultdict(list)
         for _, step, _, names, values, time in records.chunks():
             for name, value in zip(names, values, strict=True):
                 # Lagged records (a monitor's step s after step s + 1) are fine:
                 # TensorBoard orders a tag's points by step when it reads them.
-                scalars[(step, time)].append(Summary.Value(tag=name, simple_value=value))
+                events[(step, time)].append(Summary.Value(tag=name, simple_value=value))
                 element = VECTOR_ELEMENT.match(name)
                 if element is not None:
                     vectors[(step, time, element["prefix"])].append(value)
-        for (step, time), values in scalars.items():
-            self.writer.add_summary(Summary(value=values), step, time)
         # A monitor readout emits all elements of one step together, in one batch.
         for (step, time, prefix), values in vectors.items():
-            summary = histogram(prefix, np.asarray(values), "auto")  # numpy picks the edges
-            self.writer.add_summary(summary, step, time)
+            events[(step, time)].append(Summary.Value(tag=prefix, histo=_histogram(values)))
+        for (step, time), values in events.items():
+            self.writer.add_summary(Summary(value=values), step, time)
 
     def finish(self) -> None:
         self.writer.close()  # flushes the events still queued
+
+
+def _histogram(values: list[float]) -> Any:
+    """TensorBoard's histogram of a vector's elements, one bucket per element up to 64."""
+    from tensorboard.compat.proto.summary_pb2 import HistogramProto
+
+    v = np.asarray(values, dtype=np.float64)
+    counts, edges = np.histogram(v, bins=min(len(v), 64))
+    return HistogramProto(
+        min=float(v.min()),
+        max=float(v.max()),
+        num=float(len(v)),
+        sum=float(v.sum()),
+        sum_squares=float(v @ v),
+        bucket_limit=edges[1:].tolist(),
+        bucket=counts.astype(np.float64).tolist(),
+    )
