@@ -52,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quiet", action="store_true", help="no live view; print only the run directory"
     )
     parser.add_argument(
+        "--report",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write RUN_DIR/report.html at the end (with the report extra: plotly)",
+    )
+    parser.add_argument(
         "--sink",
         action="append",
         choices=SINKS,
@@ -244,6 +250,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"syncless: {stop}: logged steps are flushed{where}", file=sys.stderr)
         return stop.exit_code
     if is_main:
+        report = _write_report(result.run_dir) if args.report else None
         if args.quiet:
             print(result.run_dir)
         else:
@@ -256,7 +263,21 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 f'query it: syncless query {result.run_dir} "SELECT * FROM metrics LIMIT 10"',
                 file=sys.stderr,
             )
+            if report:
+                print(report, file=sys.stderr)
     return 0
+
+
+def _write_report(run_dir: Path) -> str:
+    """RUN_DIR/report.html; returns where it is, or how to get one."""
+    try:
+        from syncless.report import html
+    except ImportError:  # plotly is the report extra's
+        return f'an HTML report: pip install "syncless[report]"; syncless report {run_dir}'
+    try:
+        return f"report: {html.write(run_dir)}"
+    except Exception as e:  # the report must never fail the run it describes
+        return f"syncless: the report was not written ({type(e).__name__}: {e})"
 
 
 def _run_rank(args: argparse.Namespace, cfg, name: str):
