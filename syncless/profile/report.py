@@ -40,8 +40,16 @@ class ProfileReport:
 
 
 def values(me: RankSummary, rows: list[Row], lates: list[Late]) -> dict[str, float]:
-    """This rank's metric values for the window (per step unless the unit says count)."""
+    """This rank's metric values for the window (per step unless the unit says count).
+
+    Each section, collective and ``step`` row also gets its nesting: ``depth_count``
+    (``Row.depth``: 0 for ``step`` and for the sections directly inside the step) and
+    ``order_count`` (its position among these rows, depth-first; ``step`` is 0). A
+    reader finds a row's parent without relying on storage order: the row at depth - 1
+    with the largest order below its own (``syncless.report.nesting.parents``).
+    """
     out: dict[str, float] = {}
+    order = 0
     for r in rows:
         if r.kind == "part":
             coll, part = r.name.rsplit("/", 1)
@@ -49,6 +57,9 @@ def values(me: RankSummary, rows: list[Row], lates: list[Late]) -> dict[str, flo
             continue
         out[metric(r.name, "time_ms")] = r.ms_per_step
         out[metric(r.name, "calls_count")] = r.calls_per_step
+        out[metric(r.name, "depth_count")] = float(r.depth)
+        out[metric(r.name, "order_count")] = float(order)
+        order += 1
         if r.gb_per_s is not None:
             out[metric(r.name, "bandwidth_gb_per_s")] = r.gb_per_s
     steps = max(me.steps, 1)

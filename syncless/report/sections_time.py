@@ -7,9 +7,10 @@ import numpy as np
 
 from syncless.report.data import RunData, Series
 from syncless.report.html import Section, figure, table
+from syncless.report.nesting import parents
 from syncless.report.sections_run import step_time
 
-__all__ = ["sections", "top_level"]
+__all__ = ["recorded_parents", "sections", "top_level"]
 
 PARTS = ("enqueue", "rendezvous", "transfer")
 # The profiler's own rows: never stacked as a section.
@@ -27,16 +28,24 @@ def sections(data: RunData) -> list[Section]:
     return out
 
 
-def top_level(sections: dict[str, Series], step: Series | None) -> list[str]:
+def top_level(
+    sections: dict[str, Series], step: Series | None, nesting: dict[str, str | None] | None = None
+) -> list[str]:
     """The sections stacked as the step's parts, largest first.
 
-    Nesting is not in the metrics (a child's time is inside its parent's), so the
-    largest sections that fit in the step together, at every recorded step, are
-    taken as top level; the rest are listed in the table only.
+    With the profiler's nesting records (``nesting``: name -> parent, from
+    :func:`recorded_parents`), the children of the whole step: the sections whose
+    parent is ``None``. Without them (runs recorded before the profiler wrote
+    ``depth_count``/``order_count``), the old guess is kept as the fallback: the
+    largest sections that fit in the step together, at every recorded step.
     """
+    by_size = sorted(sections, key=lambda n: -_mean(sections[n]))
+    if nesting:
+        return [n for n in by_size if n in nesting and nesting[n] is None]
+    # Fallback for runs without nesting records: a child's time is inside its parent's.
     chosen: list[str] = []
     used = np.zeros(step.mean.shape) if step is not None else 0.0
-    for name in sorted(sections, key=lambda n: -_mean(sections[n])):
+    for name in by_size:
         s = sections[name]
         if step is None:
             chosen.append(name)
@@ -46,6 +55,21 @@ def top_level(sections: dict[str, Series], step: Series | None) -> list[str]:
             chosen.append(name)
             used = used + ms
     return chosen
+
+
+def recorded_parents(data: RunData) -> dict[str, str | None]:
+    """Each profiler row's parent, from its latest step bucket; {} for older runs.
+
+    Taken from the last step bucket's mean over ranks (rounded): a row's depth never
+    changes, so whether its parent is the whole step does not depend on the rank.
+    """
+    where: dict[str, tuple[int, int]] = {}
+    for name, match in data.matching(r"profile/([^/]+)/depth_count").items():
+        order = data.series.get(f"profile/{match.group(1)}/order_count")
+        depth = data.series[name]
+        if order is not None and depth.mean.size and order.mean.size:
+            where[match.group(1)] = (round(depth.mean[-1]), round(order.mean[-1]))
+    return parents(where)
 
 
 def _profile(data: RunData) -> Section | None:
@@ -64,12 +88,16 @@ def _profile(data: RunData) -> Section | None:
     step = data.series.get("profile/step/time_ms")
     step_ms = float(np.nanmean(step.mean)) if step else sum(_mean(s) for s in plain.values())
     means = {name: _mean(s) for name, s in plain.items()}
-    stacked = top_level(plain, step)
+    nesting = recorded_parents(data)
+    # With nesting records, a collective directly inside the step is one of its parts too.
+    outer = {c: data.series[f"profile/{c}/time_ms"] for c in collectives
+             if nesting and f"profile/{c}/time_ms" in data.series}  # fmt: skip
+    stacked = top_level(plain | outer, step, nesting)
     body = ""
     if stacked:
         fig = go.Figure()
         for name in stacked:
-            s = plain[name]
+            s = plain.get(name) or outer[name]
             fig.add_bar(x=s.steps, y=s.mean, name=name)
         if step is not None:
             fig.add_scatter(x=step.steps, y=step.mean, name="step", mode="lines+markers")

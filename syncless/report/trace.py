@@ -1,9 +1,9 @@
 """``syncless trace RUN_DIR [-o trace.json]``: the profiler's sections as a Chrome trace.
 
-The profiler records, per report window and rank, each section's mean time per step,
-in depth-first order, without start times or parents (``docs/profile.md``, Records).
-So each window becomes one representative step: durations are measured, positions
-within the step are reconstructed. :func:`trace_events` builds the events; ``run`` is
+The profiler records, per report window and rank, each section's mean time per step
+and its nesting (depth and depth-first order), without start times (``docs/profile.md``,
+Records). So each window becomes one representative step: durations are measured,
+positions within the step are reconstructed. :func:`trace_events` builds the events; ``run`` is
 the command. The layout rule is in ``docs/report.md`` ("syncless trace").
 """
 
@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from syncless.report.nesting import parents, positions
 from syncless.run.query_cli import warnings_on_stderr
 from syncless.run.store import RunStore
 
@@ -38,11 +39,40 @@ class Slice(NamedTuple):
     name: str
     start_ms: float
     ms: float
-    depth: int  # 0 at the top of the step, 1 inside the top-level section before it
+    depth: int  # 0 at the top of the step, 1 inside a top-level section, ...
 
 
-def layout(sections: list[tuple[str, float]], step_ms: float) -> list[Slice]:
-    """Place sections (recorded order, ms per step) inside a step of ``step_ms``.
+def layout(
+    sections: list[tuple[str, float]],
+    step_ms: float,
+    nesting: dict[str, str | None] | None = None,
+) -> list[Slice]:
+    """Place sections (depth-first order, ms per step) inside a step of ``step_ms``.
+
+    With ``nesting`` (name -> parent, from the profiler's records) each section starts
+    where its previous sibling ended, its first child where it starts: the children of
+    the whole step (parent ``None``) are laid end to end from 0, any depth deep.
+    """
+    if nesting is None:
+        return _guess_layout(sections, step_ms)
+    out: list[Slice] = []
+    placed: dict[str, Slice] = {}
+    cursor: dict[str | None, float] = {None: 0.0}  # parent -> where its next child starts
+    for name, ms in sections:
+        parent = nesting.get(name)
+        if parent not in placed:
+            parent = None  # the step, or a parent without a slice of its own
+        start = cursor.get(parent, 0.0)
+        cursor[parent] = start + ms
+        cursor[name] = start
+        depth = placed[parent].depth + 1 if parent is not None else 0
+        placed[name] = Slice(name, start, ms, depth)
+        out.append(placed[name])
+    return out
+
+
+def _guess_layout(sections: list[tuple[str, float]], step_ms: float) -> list[Slice]:
+    """The fallback for runs recorded before the profiler wrote its nesting.
 
     The records are depth-first but carry no parent. A section goes inside the
     top-level section before it when it fits in that section's remaining room and
@@ -80,8 +110,14 @@ def _window_events(rank: int, step: int, end_us: float, values: dict[str, float]
     note = f"mean per step of the report window ending at step {step}"
     events = [_event(f"step {step}", rank, "step", start_us, step_ms, note=note)]
     names = [n.split("/")[1] for n in values if n.endswith("/time_ms") and n.count("/") == 2]
-    sections = [(s, values[f"profile/{s}/time_ms"]) for s in names if s not in ("step", "self")]
-    for s in layout(sections, step_ms):
+    names = [s for s in names if s not in ("step", "self")]
+    where = positions(values)
+    nesting = None  # a run recorded before the nesting records: layout guesses
+    if names and all(s in where for s in names):
+        names.sort(key=lambda s: where[s][1])
+        nesting = parents(where)
+    sections = [(s, values[f"profile/{s}/time_ms"]) for s in names]
+    for s in layout(sections, step_ms, nesting):
         at_us = start_us + s.start_ms * 1e3
         parts = {p: values.get(f"profile/{s.name}/{p}_ms") for p in (*PARTS, "enqueue")}
         if not any(v is not None for v in parts.values()):
@@ -144,7 +180,7 @@ def write_trace(run_dir: str | os.PathLike, output: str | os.PathLike | None = N
         "otherData": {
             "source": str(run_dir),
             "note": "one step per report window per rank: durations are the window's means "
-            "per step; positions within a step are reconstructed from the recorded order",
+            "per step; positions within a step are reconstructed from the recorded nesting",
         },
     }
     path.write_text(json.dumps(doc))

@@ -8,6 +8,7 @@ import torch
 
 from syncless.guard import no_sync
 from syncless.profile import OFF, NullProfiler, ProfileMisuse, Profiler
+from syncless.report.nesting import parents, positions
 from syncless.run.records import check_metric_name
 
 
@@ -216,3 +217,38 @@ def test_unknown_category_is_misuse_not_a_crash():
     rep = prof.report()
     assert rep.row("x").category == "compute"
     assert rep.values["profile/self/misuse_count"] == 1.0
+
+
+def test_nesting_records_give_back_the_known_parents():
+    prof = Profiler(report_every=2, calibrate=False)
+    for s in range(2):
+        with prof.step(s):
+            with prof.section("forward"):
+                with prof.section("attention"), prof.section("qk"):
+                    pass
+                prof.collective("a2a", lambda: None)
+                if s == 1:  # first seen in the second step: after a2a among forward's children
+                    with prof.section("router"):
+                        pass
+            with prof.section("optimizer"):
+                pass
+    rep = prof.report()
+    known = {"step": None, "forward": None, "attention": "forward", "qk": "attention",
+             "a2a": "forward", "router": "forward", "optimizer": None}  # fmt: skip
+    # Depth 0: the step row itself and the sections directly inside the step.
+    expected = {"step": (0, 0), "forward": (0, 1), "attention": (1, 2), "qk": (2, 3),
+                "a2a": (1, 4), "router": (1, 5), "optimizer": (0, 6)}  # fmt: skip
+    for name, (depth, order) in expected.items():
+        assert rep.values[f"profile/{name}/depth_count"] == depth
+        assert rep.values[f"profile/{name}/order_count"] == order
+        assert rep.row(name).depth == depth
+    # Only section, collective and step rows: no collective part, no self row.
+    assert {k for k in rep.values if k.endswith("/depth_count")} == {
+        f"profile/{n}/depth_count" for n in known
+    }
+    assert "profile/a2a/transfer_ms" in rep.values
+    found = positions(rep.values)
+    assert found == expected
+    shuffled = dict(sorted(found.items(), reverse=True))  # storage order is not relied on
+    assert parents(shuffled) == known
+    assert {r.name for r in rep} >= {f"profile/{n}/depth_count" for n in known}

@@ -21,10 +21,15 @@ SECTIONS = {"data": 1.0, "forward": 10.0, "attention": 4.0, "router": 2.0, "a2a"
             "backward": 12.0, "optimizer": 1.5}  # fmt: skip
 PARTS = {"rendezvous": 1.25, "transfer": 1.5, "enqueue": 1.75}
 STEP_MS = 28.0  # top-level sections hold 27.5: forward's children cannot fit outside
+# Each row's (depth, order) as the profiler records them since it writes its nesting:
+# depth 0 is the step row and the sections directly inside the step.
+NESTING = {"step": (0, 0), "data": (0, 1), "forward": (0, 2), "attention": (1, 3),
+           "router": (1, 4), "a2a": (0, 5), "backward": (0, 6), "optimizer": (0, 7)}  # fmt: skip
 
 
-def values(seed: int = 0) -> dict[tuple[int, int, str], float]:
-    """(step, rank, name) -> value of every record the test run holds."""
+def values(seed: int = 0, nested: bool = False) -> dict[tuple[int, int, str], float]:
+    """(step, rank, name) -> value of every record the test run holds; ``nested``: with
+    the profiler's nesting records (without them: a run recorded before it wrote them)."""
     rng = np.random.default_rng(seed)
     out: dict[tuple[int, int, str], float] = {}
     for rank in (0, 1):
@@ -58,7 +63,7 @@ def values(seed: int = 0) -> dict[tuple[int, int, str], float]:
                 out[step, rank, f"{prefix}/nonfinite_count"] = nonfinite
             out[step, rank, "monitors/global/attn_qk_logit_max"] = 1e9  # not a layer
         for step in WINDOWS:
-            out.update(profile_window(step, rank))
+            out.update(profile_window(step, rank, nested))
         out[9, rank, "capture/step/captured_count"] = 3.0
         out[9, rank, "capture/step/dropped_ring_full_count"] = 2.0 + rank
         out[9, rank, "capture/step/dropped_ring_full_bytes"] = 1024.0
@@ -66,8 +71,10 @@ def values(seed: int = 0) -> dict[tuple[int, int, str], float]:
     return out
 
 
-def profile_window(step: int, rank: int) -> dict[tuple[int, int, str], float]:
-    """One report window, names in the order the profiler writes them."""
+def profile_window(step: int, rank: int, nested: bool = False) -> dict[tuple[int, int, str], float]:
+    """One report window, names in the order the profiler writes them; ``nested`` adds
+    the depth and order records and stores the sections in reverse order, so a reader
+    that nests them correctly relies on the records, not on storage order."""
     scale = 1.0 + step / 100 + rank / 10  # each window and rank differs
     out = {(step, rank, "profile/step/time_ms"): STEP_MS * scale}
     for name, ms in SECTIONS.items():
@@ -80,6 +87,12 @@ def profile_window(step: int, rank: int) -> dict[tuple[int, int, str], float]:
     out[step, rank, "profile/router/time_ms"] += 3.0 * rank
     out[step, rank, "profile/a2a/late_rank"] = 1.0
     out[step, rank, "profile/self/host_ms"] = 0.05
+    if not nested:
+        return out
+    out = dict(reversed(out.items()))
+    for name, (depth, order) in NESTING.items():
+        out[step, rank, f"profile/{name}/depth_count"] = float(depth)
+        out[step, rank, f"profile/{name}/order_count"] = float(order)
     return out
 
 

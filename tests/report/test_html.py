@@ -142,6 +142,48 @@ def test_step_time_dataplane_and_late_rank_sections(two_ranks):
     assert "What syncless cost" in two_ranks and "monitors/self/hook_host_ms" in two_ranks
 
 
+# As in the demo: experts (nested in forward) is larger than optimizer and data, and the
+# top-level sections fill the step. Name: (ms per step, depth, order); all_reduce is a
+# collective directly inside the step.
+DEMO_LIKE = {"data": (4.0, 0, 1), "forward": (30.0, 0, 2), "experts": (20.0, 1, 3),
+             "backward": (45.0, 0, 4), "all_reduce": (5.0, 0, 5), "optimizer": (15.0, 0, 6),
+             "log": (1.0, 0, 7)}  # fmt: skip
+
+
+def nested_run(path: Path, recorded: bool) -> Path:
+    """Steps 0..5 of one rank; ``recorded``: with the profiler's depth and order records."""
+    path.mkdir(parents=True)
+    write_run_json(path, {"name": path.name, "world_size": 1})
+    out = []
+    for step in range(STEPS):
+        rows = {"profile/step/time_ms": 100.0, "profile/all_reduce/rendezvous_ms": 2.0,
+                "profile/all_reduce/transfer_ms": 3.0}  # fmt: skip
+        nesting = {"step": (0, 0)} | {n: (d, o) for n, (_, d, o) in DEMO_LIKE.items()}
+        rows |= {f"profile/{n}/time_ms": ms for n, (ms, _, _) in DEMO_LIKE.items()}
+        if recorded:
+            for name, (depth, order) in nesting.items():
+                rows[f"profile/{name}/depth_count"] = float(depth)
+                rows[f"profile/{name}/order_count"] = float(order)
+        out += [StepRecord("t", step, 0, n, v, 1000.0 + step) for n, v in rows.items()]
+    sink = ParquetSink(path / METRICS_DIR, 0, flush_interval_s=3600)
+    sink.write(out)
+    sink.close()
+    return path
+
+
+def test_the_stacked_chart_holds_exactly_the_recorded_top_level_sections(tmp_path):
+    page = report.build(nested_run(tmp_path / "recorded", recorded=True))
+    bars = {t["name"]: t for t in figure_data(page, "profile-sections") if t["type"] == "bar"}
+    assert list(bars) == ["backward", "forward", "optimizer", "all_reduce", "data", "log"]
+    np.testing.assert_allclose(sum(array(t["y"]) for t in bars.values()), [100.0] * STEPS)
+    assert "<td>experts</td>" in page  # in the table, not in the chart
+    # A run recorded before the nesting records: the fallback guess stacks experts and
+    # leaves optimizer out (the error the records fix).
+    page = report.build(nested_run(tmp_path / "older", recorded=False))
+    bars = [t["name"] for t in figure_data(page, "profile-sections") if t["type"] == "bar"]
+    assert bars == ["backward", "forward", "experts", "data", "log"]
+
+
 def test_sections_the_run_lacks_are_absent(tmp_path):
     run_dir = tmp_path / "bare"
     run_dir.mkdir()

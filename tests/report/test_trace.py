@@ -16,9 +16,10 @@ from syncless.report.trace import Slice, layout, write_trace
 Values = dict[tuple[int, int, str], float]
 
 
-@pytest.fixture(scope="module")
-def known(tmp_path_factory) -> tuple[Values, list[dict]]:
-    vals = values()
+@pytest.fixture(scope="module", params=[True, False], ids=["recorded", "guessed"])
+def known(tmp_path_factory, request) -> tuple[Values, list[dict]]:
+    """The run with the profiler's nesting records, and one recorded before them."""
+    vals = values(nested=request.param)
     run_dir = write_run(tmp_path_factory.mktemp("trace") / "run", vals)
     path = write_trace(run_dir)
     assert path == run_dir / "trace.json"
@@ -100,8 +101,48 @@ def test_collective_phases_tile_the_collective_and_enqueue_has_its_own_track(kno
 
 
 def test_layout_lays_flat_sections_end_to_end() -> None:
-    placed = layout([("a", 1.0), ("b", 2.0), ("c", 0.5)], step_ms=4.0)
-    assert placed == [Slice("a", 0.0, 1.0, 0), Slice("b", 1.0, 2.0, 0), Slice("c", 3.0, 0.5, 0)]
+    flat = [("a", 1.0), ("b", 2.0), ("c", 0.5)]
+    expected = [Slice("a", 0.0, 1.0, 0), Slice("b", 1.0, 2.0, 0), Slice("c", 3.0, 0.5, 0)]
+    assert layout(flat, step_ms=4.0) == expected
+    assert layout(flat, step_ms=4.0, nesting=dict.fromkeys("abc")) == expected
+
+
+# Two deep: forward > attention > qk, and router in forward after attention. The step's
+# sections hold 19 of its 20 ms. The old guess (one level deep) put qk beside attention
+# and router outside forward.
+DEEP = {"forward": (10.0, 0, 2), "attention": (6.0, 1, 3), "qk": (4.0, 2, 4),
+        "router": (3.0, 1, 5), "backward": (9.0, 0, 6)}  # fmt: skip
+DEEP_PARENTS = {"forward": None, "attention": "forward", "qk": "attention",
+                "router": "forward", "backward": None}  # fmt: skip
+DEEP_PLACED = [Slice("forward", 0.0, 10.0, 0), Slice("attention", 0.0, 6.0, 1),
+               Slice("qk", 0.0, 4.0, 2), Slice("router", 6.0, 3.0, 1),
+               Slice("backward", 10.0, 9.0, 0)]  # fmt: skip
+
+
+def test_layout_nests_by_the_recorded_parents_at_any_depth() -> None:
+    sections = [(name, ms) for name, (ms, _, _) in DEEP.items()]
+    assert layout(sections, 20.0, DEEP_PARENTS) == DEEP_PLACED
+    guessed = {s.name: s for s in layout(sections, 20.0)}
+    assert guessed["qk"].depth == 1 and guessed["router"].depth == 0  # what was wrong
+
+
+def test_a_two_deep_run_is_traced_by_its_records(tmp_path: Path) -> None:
+    vals = {(4, 0, "profile/step/time_ms"): 20.0, (4, 0, "profile/step/depth_count"): 0.0,
+            (4, 0, "profile/step/order_count"): 0.0}  # fmt: skip
+    for name, (ms, depth, order) in reversed(DEEP.items()):  # stored out of order
+        vals[4, 0, f"profile/{name}/time_ms"] = ms
+        vals[4, 0, f"profile/{name}/depth_count"] = float(depth)
+        vals[4, 0, f"profile/{name}/order_count"] = float(order)
+    run_dir = write_run(tmp_path / "run", vals, world_size=1, ranks=(0,))
+    events = slices(json.loads(write_trace(run_dir).read_text())["traceEvents"])
+    step = next(e for e in events if e["name"] == "step 4")
+    placed = [Slice(e["name"], (e["ts"] - step["ts"]) / 1e3, e["dur"] / 1e3, e["args"]["depth"])
+              for e in events if e is not step]  # fmt: skip
+    by_name = {s.name: s for s in placed}
+    for want in DEEP_PLACED:
+        got = by_name[want.name]
+        assert got.depth == want.depth
+        assert (got.start_ms, got.ms) == pytest.approx((want.start_ms, want.ms), abs=1e-6)
 
 
 def test_a_run_without_profiler_records_exits_1(tmp_path: Path) -> None:
