@@ -88,7 +88,7 @@ def _check(ctx: Ctx) -> None:
     assert re.search(r"^\s*0\s+18\s+0\s+2\s+3\s+1\s+0\s", out, re.M), out
 
 
-@runs("syncless check", "syncless lint")
+@runs("syncless check", "syncless lint", "syncless trace")
 def _bare(ctx: Ctx) -> None:  # the command's name: without its arguments, a usage error
     p = ctx.run(ctx.argv(), status=2)
     assert f"usage: {ctx.command} " in p.stderr

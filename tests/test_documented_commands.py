@@ -21,7 +21,7 @@ import pytest
 from doc_commands import RUN, Ctx, shared_run  # noqa: F401  (the checks' fixture)
 
 SKIP: dict[str, str] = {
-    "pip install -e . && syncless demo": "CI's .ci/run installs the package; `syncless demo` runs as its own entry",
+    'pip install -e ".[report]" && syncless demo': "CI's .ci/run installs the package with the test extra (report included); `syncless demo` runs as its own entry",
     'pip install -e ".[test]" && python -m pytest -q': "CI's .ci/run installs the test extra and runs the suite (this file included)",
     'pip install "syncless[transformers]"': "an install; the test extra CI's .ci/run installs includes it (fsdp2_loop below needs it)",
     'pip install "syncless[lightning]"': "an install; the test extra CI's .ci/run installs includes it",

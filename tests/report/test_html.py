@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import re
 import shutil
@@ -12,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from plotly_figures import array, figure_data
 
 from syncless.report import html as report
 from syncless.run import ParquetSink, StepRecord
@@ -68,22 +67,6 @@ def make_run(path: Path, ranks: int = 1, steps: range = range(STEPS)) -> Path:
         sink.write(records(rank, steps))
         sink.close()
     return path
-
-
-def figure_data(page: str, anchor: str) -> list[dict]:
-    """The traces of the figure ``fig-<anchor>``, as plotly wrote them."""
-    match = re.search(r'Plotly\.newPlot\(\s*"fig-' + re.escape(anchor) + r'",\s*', page)
-    assert match, f"no figure fig-{anchor}"
-    return json.JSONDecoder().raw_decode(page, match.end())[0]
-
-
-def array(value: dict | list) -> np.ndarray:
-    """A plotly array: a list, or the typed-array form ``{"dtype", "bdata", "shape"}``."""
-    if isinstance(value, list):
-        return np.array(value, dtype=float)
-    flat = np.frombuffer(base64.b64decode(value["bdata"]), dtype=np.dtype(value["dtype"]))
-    shape = [int(n) for n in str(value.get("shape", len(flat))).split(",")]
-    return flat.reshape(shape)
 
 
 def worst_text(page: str, anchor: str) -> str:
