@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from results import append_result  # bench/ is on sys.path as a script
+from results import append_result, syncless_argv  # bench/ is on sys.path as a script
 
 TARGET_HELP_S = 0.3
 
@@ -37,8 +37,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--no-append", action="store_true", help="skip bench/RESULTS.md")
     args = parser.parse_args()
-    script = Path(sys.executable).with_name("syncless")  # what pip installed, as users run it
-    cli = [str(script)] if script.exists() else [sys.executable, "-m", "syncless.cli"]
+    cli = syncless_argv()
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         demo = [*cli, "demo", "--steps", "4", "--run-dir", str(run_dir)]

@@ -57,3 +57,12 @@ def append_result(bench: str, result: str, path: Path | None = None) -> str:
     with target.open("a") as f:
         f.write(line + "\n")
     return line
+
+
+def syncless_argv() -> list[str]:
+    """The ``syncless`` command as users run it: the script pip installed next to this
+    Python, else ``python -m syncless.cli``."""
+    import sys
+
+    script = Path(sys.executable).with_name("syncless")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "syncless.cli"]

@@ -14,12 +14,11 @@ import argparse
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from results import append_result  # bench/ is on sys.path as a script
+from results import append_result, syncless_argv  # bench/ is on sys.path as a script
 
 from syncless.run import ParquetSink, StepRecord
 from syncless.run.rundir import METRICS_DIR, write_run_json
@@ -72,8 +71,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--no-append", action="store_true", help="skip bench/RESULTS.md")
     args = parser.parse_args()
-    script = Path(sys.executable).with_name("syncless")  # what pip installed, as users run it
-    cli = [str(script)] if script.exists() else [sys.executable, "-m", "syncless.cli"]
+    cli = syncless_argv()
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         records = write_run(run_dir)

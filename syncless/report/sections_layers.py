@@ -75,7 +75,6 @@ def sections(data: RunData) -> list[Section]:
 
 
 def _layer_map(data: RunData, spec: Heatmap) -> str:
-    import plotly.graph_objects as go
 
     cells = data.layers[spec.metric]
     z = cells.high if spec.worst == "max" else cells.low
@@ -87,15 +86,7 @@ def _layer_map(data: RunData, spec: Heatmap) -> str:
         callout = "no nonfinite value in any layer"
     else:
         callout = f"{what}: layer {worst.row} at step {worst.column} ({worst.value:.4g})"
-    fig = go.Figure(
-        go.Heatmap(
-            z=z,
-            x=cells.columns,
-            y=cells.rows,
-            colorscale="Viridis" if spec.worst == "max" else "Viridis_r",
-            hovertemplate="step %{x}<br>layer %{y}<br>%{z:.4g}<extra></extra>",
-        )
-    )
+    fig = _heatmap(z, cells, spec, "step %{x}<br>layer %{y}<br>%{z:.4g}<extra></extra>")
     fig.update_layout(title=spec.title, xaxis_title="step", yaxis_title="layer")
     fig.update_yaxes(dtick=_tick(len(cells.rows)))
     over = "worst rank" if len(data.ranks) > 1 else ""
@@ -108,21 +99,12 @@ def _layer_map(data: RunData, spec: Heatmap) -> str:
 
 
 def _sub_map(data: RunData, spec: Heatmap) -> str:
-    import plotly.graph_objects as go
 
     cells = data.subs[spec.metric]
     kind, title = SUB_GRIDS.get(spec.metric, ("index", spec.metric))
     z = cells.high if spec.worst == "max" else cells.low
     callout = _sub_callout(cells, spec, kind)
-    fig = go.Figure(
-        go.Heatmap(
-            z=z,
-            x=cells.columns,
-            y=cells.rows,
-            colorscale="Viridis" if spec.worst == "max" else "Viridis_r",
-            hovertemplate=f"layer %{{x}}<br>{kind} %{{y}}<br>%{{z:.4g}}<extra></extra>",
-        )
-    )
+    fig = _heatmap(z, cells, spec, f"layer %{{x}}<br>{kind} %{{y}}<br>%{{z:.4g}}<extra></extra>")
     fig.update_layout(title=f"{title}, step {cells.step}", xaxis_title="layer", yaxis_title=kind)
     fig.update_xaxes(dtick=_tick(len(cells.columns)))
     fig.update_yaxes(dtick=_tick(len(cells.rows)))
@@ -157,3 +139,13 @@ def _height(rows: int) -> int:
 def _tick(ids: int) -> int:
     """Integer ticks (layers, heads, experts are whole numbers), about 20 at most."""
     return max(1, ids // 20)
+
+
+def _heatmap(z, cells, spec: Heatmap, hover: str):
+    """A heatmap of ``z`` over ``cells``' columns and rows, the worst end of the scale
+    bright whichever way ``spec`` counts worst."""
+    import plotly.graph_objects as go
+
+    scale = "Viridis" if spec.worst == "max" else "Viridis_r"
+    trace = go.Heatmap(z=z, x=cells.columns, y=cells.rows, colorscale=scale, hovertemplate=hover)
+    return go.Figure(trace)

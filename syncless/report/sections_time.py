@@ -18,14 +18,7 @@ RESERVED = ("step", "self", "calibration")
 
 
 def sections(data: RunData) -> list[Section]:
-    out = []
-    profile = _profile(data)
-    if profile:
-        out.append(profile)
-    dataplane = _dataplane(data)
-    if dataplane:
-        out.append(dataplane)
-    return out
+    return [s for s in (_profile(data), _dataplane(data)) if s]
 
 
 def top_level(

@@ -25,14 +25,7 @@ WINDOWS = (
 
 
 def sections(data: RunData) -> list[Section]:
-    out = []
-    captures = _captures(data)
-    if captures:
-        out.append(captures)
-    cost = _self_cost(data)
-    if cost:
-        out.append(cost)
-    return out
+    return [s for s in (_captures(data), _self_cost(data)) if s]
 
 
 def _total(data: RunData, name: str) -> float:
