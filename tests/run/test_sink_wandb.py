@@ -25,6 +25,13 @@ def _quiet_offline_wandb(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    # wandb.init puts its service's address in os.environ (WANDB_SERVICE) for child
+    # processes to share. Left behind, every later subprocess of the suite (a demo
+    # with --sink wandb) dialled this process's service, failed and logged nothing.
+    monkeypatch.setenv("WANDB_SERVICE", "")
+    monkeypatch.delenv("WANDB_SERVICE")
+    yield
+    wandb.teardown()  # its service process goes with the test
 
 
 def offline_sink(tmp_path: Path, **kwargs: object) -> WandbSink:
