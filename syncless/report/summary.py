@@ -258,6 +258,13 @@ def culprit(t: RunTotals, late_rank: int) -> tuple[str, float] | None:
     return (best, excess[best]) if best is not None and excess[best] > 0 else None
 
 
+def _section_place(t: RunTotals, name: str) -> tuple[float, int]:
+    """Depth-first, as the profiler recorded it (``order_count``); runs from before the
+    profiler wrote its nesting fall back to the order their records were stored in."""
+    order = t.stats.get(name.replace("/time_ms", "/order_count"))
+    return (order.last if order else float("inf"), t.stats[name].order)
+
+
 def _time_tables(t: RunTotals) -> list[Table]:
     step = t.stats.get("profile/step/time_ms")
     if step is None:
@@ -266,12 +273,14 @@ def _time_tables(t: RunTotals) -> list[Table]:
     sections = _table(f"where step time goes (profiler, {step.mean:.4g} ms/step)",
                       "section", "ms/step", "% of step")  # fmt: skip
     names = [n for n in t.stats if n.startswith("profile/") and n.endswith("/time_ms")]
-    for name in sorted(names, key=lambda n: t.stats[n].order):
+    for name in sorted(names, key=lambda n: _section_place(t, n)):
         section = name.split("/")[1]
         if section not in ("step", "self"):
             ms = t.stats[name].mean
             share = 100 * ms / step.mean if step.mean else 0.0
-            sections.add_row(section, _num(ms), f"{share:.1f}")
+            depth = t.stats.get(f"profile/{section}/depth_count")
+            indent = "  " * round(depth.last) if depth else ""  # nested under its parent
+            sections.add_row(indent + section, _num(ms), f"{share:.1f}")
     tables = [sections]
     if collectives:
         split = _table("collectives", "collective", "ms/step", *(f"{p} ms" for p in _PARTS),

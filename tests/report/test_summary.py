@@ -183,3 +183,19 @@ def test_the_command_prints_tables_and_warns_on_stderr(tmp_path) -> None:
         [*cli, str(tmp_path / "nothing")], capture_output=True, text=True, timeout=60
     )
     assert p.returncode == 2 and p.stderr.startswith("syncless: error: ")
+
+
+def test_sections_follow_the_recorded_nesting(tmp_path) -> None:
+    """The records are stored in reverse (summary_trace_runs): the table follows the
+    profiler's depth-first order and indents forward's children under it."""
+    from summary_trace_runs import NESTING
+
+    text = render(write_run(tmp_path / "run", values(nested=True)))
+    table = text.split("where step time goes")[1].split("collectives")[0]
+    lines = {
+        ln.split()[0]: ln for ln in table.splitlines() if ln.strip() and ln.split()[0] in NESTING
+    }
+    assert list(lines) == [n for n in sorted(NESTING, key=lambda n: NESTING[n][1]) if n != "step"]
+    indent = {n: len(ln) - len(ln.lstrip()) for n, ln in lines.items()}
+    assert indent["attention"] == indent["router"] == indent["forward"] + 2
+    assert indent["data"] == indent["forward"] == indent["a2a"] == indent["optimizer"]
