@@ -1,4 +1,4 @@
-"""The ``syncless`` command: demo, query, check, report, summary, trace, lint."""
+"""The ``syncless`` command: demo, query, check, captures, report, summary, trace, lint."""
 
 from __future__ import annotations
 
@@ -18,6 +18,12 @@ def _check(args: argparse.Namespace) -> int:
     from syncless.run import check
 
     return check.run(args)
+
+
+def _captures(args: argparse.Namespace) -> int:
+    from syncless.run import captures_cli
+
+    return captures_cli.run(args)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -96,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("run_dir", help="a run directory (runs/<time>-<name>)")
     check.add_argument("--format", choices=("table", "json"), default="table")
 
+    from syncless.run import captures_cli
+
+    captures = sub.add_parser(
+        "captures",
+        help="list what a run captured: per tag, or every tensor with --all",
+        description="Tensors, steps, ranks, dtypes, shapes and bytes per capture tag, "
+        "from the run's capture index (the `captures` table of `syncless query`).",
+    )
+    captures_cli.add_arguments(captures)
+
     from syncless.lint import cli as lint_cli
 
     lint = sub.add_parser(
@@ -120,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             return _query(args)
         if args.command == "check":
             return _check(args)
+        if args.command == "captures":
+            return _captures(args)
         if args.command == "report":
             return _report(args)
         if args.command == "summary":

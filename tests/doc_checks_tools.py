@@ -13,6 +13,8 @@ import sys
 import doc_commands as dc
 from doc_commands import DEMO_NAMES, Ctx, runs, sql, table_rows
 
+from syncless.demo.config import preset
+
 HOOK = """import torch
 
 
@@ -88,7 +90,7 @@ def _check(ctx: Ctx) -> None:
     assert re.search(r"^\s*0\s+18\s+0\s+2\s+3\s+1\s+0\s", out, re.M), out
 
 
-@runs("syncless check", "syncless lint", "syncless trace")
+@runs("syncless check", "syncless lint", "syncless trace", "syncless query")
 def _bare(ctx: Ctx) -> None:  # the command's name: without its arguments, a usage error
     p = ctx.run(ctx.argv(), status=2)
     assert f"usage: {ctx.command} " in p.stderr
@@ -235,3 +237,45 @@ def _trace(ctx: Ctx) -> None:
     recorded = sql(argv[2], "SELECT value FROM metrics WHERE name = 'profile/backward/time_ms' "
                             "AND step = 3")[0][0]  # fmt: skip
     assert slices["backward"]["dur"] == round(recorded * 1e3, 3)  # the last window's
+
+
+# ---- captures ---------------------------------------------------------------------
+
+
+def _capture_run(ctx: Ctx) -> str:
+    """A demo run with the hidden states of both layers captured for 3 steps."""
+    run_dir = ctx.cwd / "captured"
+    argv = [dc.SYNCLESS, "demo", "--steps", "3", "--capture", "0,1", "--run-dir", str(run_dir)]
+    ctx.run([*argv, "--quiet", "--no-report"])
+    return str(run_dir)
+
+
+@runs("syncless captures RUN_DIR")
+def _captures(ctx: Ctx) -> None:
+    run_dir = _capture_run(ctx)
+    words = [run_dir if w == str(ctx.request.getfixturevalue("shared_run")) else w
+             for w in ctx.argv()]  # fmt: skip
+    out = ctx.run([*words, "--format", "csv"]).stdout
+    rows = {r["tag"]: r for r in csv.DictReader(io.StringIO(out))}
+    tiny = preset("tiny")  # the demo's documented capture: [batch, seq, d_model] per layer
+    shape = f"{tiny.batch_size}x{tiny.seq_len}x{tiny.d_model}"
+    assert sorted(rows) == ["layer_00/hidden", "layer_01/hidden"]
+    for row in rows.values():
+        assert (row["shapes"], row["dtypes"], row["ranks"]) == (shape, "float32", "1")
+        assert (
+            int(row["bytes"])
+            == int(row["tensors"]) * 4 * tiny.batch_size * tiny.seq_len * tiny.d_model
+        )
+
+
+@runs('syncless query RUN_DIR "SELECT tag, step, rank, nbytes FROM captures WHERE step = 100"')
+def _query_captures(ctx: Ctx) -> None:
+    run_dir = _capture_run(ctx)
+    words = [run_dir if w == str(ctx.request.getfixturevalue("shared_run")) else w
+             for w in ctx.argv()]  # fmt: skip
+    out = ctx.run(words).stdout
+    assert re.search(r"\btag\b.*\bstep\b.*\brank\b.*\bnbytes\b", out)  # the columns exist
+    assert "0 row(s)" in out  # 3 steps: nothing at step 100
+    every = ctx.run([*words[:-1], "SELECT tag, step FROM captures ORDER BY step, tag",
+                     "--format", "csv"]).stdout  # fmt: skip
+    assert every.splitlines()[1] == "layer_00/hidden,0"

@@ -27,6 +27,11 @@ def print_query(
     check_query(sql)  # before reading the shards: a bad query fails fast
     with RunStore(run_dir, strict=strict) as store:
         columns, rows = store.query(sql)
+    print_rows(columns, rows, fmt, out)
+
+
+def print_rows(columns: list[str], rows: list[tuple], fmt: str, out: TextIO | None = None) -> None:
+    """Rows as a rich table, CSV or a JSON list of row objects."""
     out = out or sys.stdout
     if fmt == "csv":
         writer = csv.writer(out)

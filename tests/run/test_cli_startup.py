@@ -59,12 +59,15 @@ def test_help_imports_no_torch(argv, expected):
     assert not result["torch"]
 
 
-def test_query_and_check_import_no_torch(run_dir):
+def test_query_check_and_captures_import_no_torch(run_dir):
     result = _probe("query", str(run_dir), "SELECT count(*) AS n FROM metrics", "--format", "csv")
     assert (result["rc"], result["out"].split()) == (0, ["n", "6"])  # 3 steps x 2 names
     assert not result["torch"]
     result = _probe("check", str(run_dir), "--format", "json")
     assert result["rc"] == 0
+    assert not result["torch"]
+    result = _probe("captures", str(run_dir))
+    assert result["rc"] == 1  # no captures in this run
     assert not result["torch"]
 
 
