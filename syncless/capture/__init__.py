@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from syncless.capture.engine import CaptureEngine, EngineConfig
     from syncless.capture.reader import CaptureStore, open
     from syncless.capture.sink import CapturedRecord, CaptureSink, MemorySink, SafetensorsSink
+    from syncless.capture.sink_fsspec import FsspecSink
     from syncless.capture.stats import DropReason
 
 # name -> module that defines it (torch-importing modules, loaded lazily)
@@ -39,6 +40,7 @@ _LAZY = {
     "CapturedRecord": "sink",
     "MemorySink": "sink",
     "SafetensorsSink": "sink",
+    "FsspecSink": "sink_fsspec",
     "CaptureStore": "reader",
     "open": "reader",
 }
@@ -52,6 +54,7 @@ __all__ = [
     "DropReason",
     "EngineConfig",
     "FlushKind",
+    "FsspecSink",
     "Grant",
     "GrantController",
     "GrantReason",

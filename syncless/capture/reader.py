@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -35,28 +35,33 @@ class CaptureStore:
 
     Args:
         path: a run directory (with a ``captures/`` folder) or the ``captures/``
-            folder itself.
+            folder itself, local or an fsspec URL (``s3://bucket/run-7/captures``).
+        storage_options: keyword arguments for a URL's filesystem (credentials,
+            endpoint).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        path = Path(path)
-        if not path.is_dir():
-            raise UsageError(f"{str(path)!r} does not exist or is not a directory")
-        if (path / CAPTURES_DIR).is_dir():
-            self.dir = path / CAPTURES_DIR
-        elif path.name == CAPTURES_DIR or any(path.glob("rank*-*.parquet")):
-            self.dir = path
+    def __init__(
+        self, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+    ) -> None:
+        self._fs: Any = None  # an fsspec filesystem when ``path`` is a URL
+        self.dir: Path | str  # the captures folder (a path within ``_fs`` for a URL)
+        if isinstance(path, str) and "://" in path:
+            self._fs, self.dir = _locate_url(path, storage_options)
+            files = sorted(self._fs.glob(f"{self.dir}/rank*-*.parquet"))
         else:
-            raise UsageError(
-                f"{str(path)!r} has no captures: expected a {CAPTURES_DIR}/ folder with "
-                f"rank*.parquet index files (written by a CaptureEngine's SafetensorsSink)"
-            )
-        files = sorted(self.dir.glob("rank*-*.parquet"))
-        tables = [pq.read_table(f, schema=INDEX_SCHEMA) for f in files]
+            self.dir = _locate_dir(Path(path))
+            files = sorted(self.dir.glob("rank*-*.parquet"))
+        tables = []
+        for name in files:
+            with self._open(name) as f:
+                tables.append(pq.read_table(f, schema=INDEX_SCHEMA))
         index = pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
         #: One row per captured tensor, sorted by (rank, seq).
         self.index: pa.Table = index.sort_by([("rank", "ascending"), ("seq", "ascending")])
         self._rows: list[dict[str, Any]] | None = None
+
+    def _open(self, path: str | os.PathLike[str]) -> IO[bytes]:
+        return builtins.open(path, "rb") if self._fs is None else self._fs.open(path, "rb")
 
     def __len__(self) -> int:
         return self.index.num_rows
@@ -100,7 +105,7 @@ class CaptureStore:
         shape, nbytes = tuple(row["shape"]), row["nbytes"]
         out = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
-            with builtins.open(self.dir / row["file"], "rb") as f:
+            with self._open(f"{self.dir}/{row['file']}") as f:
                 f.seek(row["offset"])
                 got = f.readinto(memoryview(out.numpy()))
             if got != nbytes:
@@ -122,6 +127,42 @@ class CaptureStore:
             yield row, self.tensor(i)
 
 
-def open(path: str | os.PathLike[str]) -> CaptureStore:
-    """Open a run directory's captures: ``syncless.capture.open("runs/...")``."""
-    return CaptureStore(path)
+def open(
+    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> CaptureStore:
+    """Open a run directory's captures: ``syncless.capture.open("runs/...")``.
+
+    ``path`` may also be an fsspec URL (``s3://bucket/run-7/captures``, what an
+    ``FsspecSink`` wrote); ``storage_options`` go to its filesystem.
+    """
+    return CaptureStore(path, storage_options)
+
+
+def _locate_dir(path: Path) -> Path:
+    if not path.is_dir():
+        raise UsageError(f"{str(path)!r} does not exist or is not a directory")
+    if (path / CAPTURES_DIR).is_dir():
+        return path / CAPTURES_DIR
+    if path.name == CAPTURES_DIR or any(path.glob("rank*-*.parquet")):
+        return path
+    raise UsageError(
+        f"{str(path)!r} has no captures: expected a {CAPTURES_DIR}/ folder with "
+        f"rank*.parquet index files (written by a CaptureEngine's SafetensorsSink)"
+    )
+
+
+def _locate_url(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    """The filesystem and folder of a URL's captures: the URL itself or its captures/."""
+    from syncless.capture.sink_fsspec import url_filesystem
+
+    fs, root = url_filesystem(url, storage_options)
+    root = root.rstrip("/")
+    fs.invalidate_cache(root)  # another process may have written since the last listing
+    if fs.glob(f"{root}/rank*-*.parquet"):
+        return fs, root
+    if fs.glob(f"{root}/{CAPTURES_DIR}/rank*-*.parquet"):
+        return fs, f"{root}/{CAPTURES_DIR}"
+    raise UsageError(
+        f"{url!r} has no captures: expected rank*.parquet index files there or in its "
+        f"{CAPTURES_DIR}/ folder (written by an FsspecSink)"
+    )

@@ -163,7 +163,7 @@ class SafetensorsSink:
         if not records:
             return
         stem = f"rank{self.rank:05d}-{self._seq:06d}"
-        header, keys = _header(records, self.rank)
+        header, keys = shard_header(records, self.rank)
         data_start = 8 + len(header)
         tmp = self.dir / f".{stem}.safetensors.tmp"
         with open(tmp, "wb") as f:
@@ -174,26 +174,7 @@ class SafetensorsSink:
                     f.write(memoryview(r.data.numpy()))
         os.replace(tmp, self.dir / f"{stem}.safetensors")
 
-        offsets, pos = [], data_start
-        for r in records:
-            offsets.append(pos)
-            pos += r.nbytes
-        table = pa.table(
-            {
-                "rank": [r.rank for r in records],
-                "seq": [r.seq for r in records],
-                "tag": [r.tag for r in records],
-                "step": [r.step for r in records],
-                "shape": [list(r.shape) for r in records],
-                "dtype": [dtype_name(r.dtype) for r in records],
-                "file": [f"{stem}.safetensors"] * len(records),
-                "key": keys,
-                "offset": offsets,
-                "nbytes": [r.nbytes for r in records],
-                "meta": [r.meta for r in records],
-            },
-            schema=INDEX_SCHEMA,
-        )
+        table = index_table(records, f"{stem}.safetensors", keys, data_start)
         tmp = self.dir / f".{stem}.parquet.tmp"
         pq.write_table(table, tmp)
         os.replace(tmp, self.dir / f"{stem}.parquet")
@@ -204,7 +185,7 @@ class SafetensorsSink:
         pass
 
 
-def _header(records: Sequence[CapturedRecord], rank: int) -> tuple[bytes, list[str]]:
+def shard_header(records: Sequence[CapturedRecord], rank: int) -> tuple[bytes, list[str]]:
     """The safetensors JSON header (space-padded to 8 bytes, as the format allows) and
     the tensor names, which are the records' sequence numbers."""
     entries: dict[str, object] = {"__metadata__": {"format": FORMAT, "rank": str(rank)}}
@@ -223,6 +204,33 @@ def _header(records: Sequence[CapturedRecord], rank: int) -> tuple[bytes, list[s
         pos += r.nbytes
     header = json.dumps(entries, separators=(",", ":")).encode()
     return header + b" " * (-len(header) % 8), keys
+
+
+def index_table(
+    records: Sequence[CapturedRecord], file: str, keys: Sequence[str], data_start: int
+) -> pa.Table:
+    """The index rows of one shard: ``file`` is its name, ``data_start`` where its data
+    begins (after the header)."""
+    offsets, pos = [], data_start
+    for r in records:
+        offsets.append(pos)
+        pos += r.nbytes
+    return pa.table(
+        {
+            "rank": [r.rank for r in records],
+            "seq": [r.seq for r in records],
+            "tag": [r.tag for r in records],
+            "step": [r.step for r in records],
+            "shape": [list(r.shape) for r in records],
+            "dtype": [dtype_name(r.dtype) for r in records],
+            "file": [file] * len(records),
+            "key": list(keys),
+            "offset": offsets,
+            "nbytes": [r.nbytes for r in records],
+            "meta": [r.meta for r in records],
+        },
+        schema=INDEX_SCHEMA,
+    )
 
 
 class MemorySink:
