@@ -1,5 +1,6 @@
 """Two gloo ranks: an injected delay must land in rendezvous, not transfer."""
 
+import statistics
 import time
 
 import pytest
@@ -16,10 +17,14 @@ STEPS = 4
 
 
 def _skew_worker(rank, world):
-    prof = Profiler(report_every=STEPS)
+    # A report per step: the timing assertions take the median over steps, since a
+    # mean over the window took in any stall of this shared 2-core host (one CI run
+    # saw 19 ms of "transfer" per call for 256 floats, both ranks alike).
+    prof = Profiler(report_every=1)
     x = torch.ones(256)
-    with census(cpu_as_device=True) as c:
-        for s in range(STEPS):
+    syncs, sites, reports = 0, [], []
+    for s in range(STEPS):
+        with census(cpu_as_device=True) as c:
             with prof.step(s):
                 with prof.section("fast"):
                     y = x * 2.0
@@ -28,30 +33,37 @@ def _skew_worker(rank, world):
                         time.sleep(DELAY_S)
                 prof.all_reduce(y, name="moe_a2a")
             c.step()
-    rep = prof.report()
-    assert rep is not None
+        syncs += c.total
+        sites += [str(site) for site, _ in c.by_site()]
+        reports.append(prof.report())  # the gather: outside the census, not in a step
+    assert all(rep is not None for rep in reports)
+    rep = reports[-1]
     return {
         "rows": {r.name: r for r in rep.rows},
         "lates": rep.lates,
         "values": rep.values,
         "records": [r.name for r in rep.records],
-        "syncs": c.total,
-        "sites": [str(site) for site, _ in c.by_site()],
+        "syncs": syncs,
+        "sites": sites,
         "y": y[:2].tolist(),
+        "ms": {  # per step: row -> ms per call
+            name: [r.row(name).us_per_call / 1e3 for r in reports]
+            for name in ("moe_a2a/rendezvous", "moe_a2a/transfer")
+        },
     }
 
 
 def test_delay_on_rank1_is_rendezvous_wait_on_rank0():
     r0, r1 = spawn_gloo(_skew_worker, 2)
     delay_ms = DELAY_S * 1e3
-    rdv0 = r0["rows"]["moe_a2a/rendezvous"]
-    # Per call: rank 0 waited for rank 1's sleep in the 1-element all_reduce...
-    assert rdv0.calls_per_step == 1.0
-    assert rdv0.us_per_call / 1e3 >= 0.8 * delay_ms
+    assert r0["rows"]["moe_a2a/rendezvous"].calls_per_step == 1.0
+    # Per call, the median step: rank 0 waited for rank 1's sleep in the 1-element
+    # all_reduce...
+    assert statistics.median(r0["ms"]["moe_a2a/rendezvous"]) >= 0.8 * delay_ms
     # ...and the real collective did not absorb it.
-    assert r0["rows"]["moe_a2a/transfer"].us_per_call / 1e3 < 0.2 * delay_ms
+    assert statistics.median(r0["ms"]["moe_a2a/transfer"]) < 0.2 * delay_ms
     # The late rank waits little in its own rendezvous.
-    assert r1["rows"]["moe_a2a/rendezvous"].us_per_call / 1e3 < 0.2 * delay_ms
+    assert statistics.median(r1["ms"]["moe_a2a/rendezvous"]) < 0.2 * delay_ms
     for r in (r0, r1):  # every rank sees the same verdict
         (late,) = r["lates"]
         assert late.collective == "moe_a2a"
