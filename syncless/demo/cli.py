@@ -305,4 +305,5 @@ def _stopping() -> contextlib.AbstractContextManager:
     # A rank: stop when torchrun dies, however it dies (syncless.demo.signals).
     agent = os.environ.get(AGENT_PID_ENV)
     die_with_parent(signal.SIGTERM, parent=int(agent) if agent else None)
-    return stop_on([signal.SIGINT, signal.SIGTERM])
+    # Deferred: the ranks stop together at a logged step (syncless.demo.train).
+    return stop_on([signal.SIGINT, signal.SIGTERM], deferred=True)

@@ -9,9 +9,11 @@ down, never broadcast:
   to torchrun, once; torchrun sends it to every rank and SIGKILLs what is left after
   30 s. A signal ignored on the way in (nohup's SIGHUP) stays ignored. A second signal
   to the launcher SIGKILLs torchrun and every rank at once.
-- A rank turns its first SIGINT or SIGTERM into :class:`Stopped`: the training loop's
-  ``finally`` blocks close the tools and flush the run's shards, and the rank exits
-  with ``128 + signal``. Later signals are ignored, so the flush is not cut short;
+- A rank notes its first SIGINT or SIGTERM, and at the next logged step every rank
+  learns of it through that step's stats all_reduce and raises :class:`Stopped`, so
+  all ranks leave the loop after the same step: the ``finally`` blocks close the tools
+  and flush the run's shards, and the rank exits with ``128 + signal``. (One process
+  raises at once.) Later signals are ignored, so the flush is not cut short;
   a watchdog ends the rank ``GRACE_S`` after the first one if the flush hangs.
 - SIGKILL cannot be caught, so each child asks the kernel for a signal when its parent
   dies (Linux ``prctl(PR_SET_PDEATHSIG)``): torchrun gets SIGTERM when the launcher
@@ -77,21 +79,43 @@ def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> boo
     return True
 
 
+_pending = 0  # a deferred stop signal's number, 0 while none came
+
+
+def pending_stop() -> int:
+    """The stop signal :func:`stop_on` deferred (``deferred=True``), or 0."""
+    return _pending
+
+
 @contextlib.contextmanager
-def stop_on(signals: Iterable[int], grace_s: float | None = GRACE_S) -> Iterator[None]:
+def stop_on(
+    signals: Iterable[int], grace_s: float | None = GRACE_S, deferred: bool = False
+) -> Iterator[None]:
     """Inside: the first of ``signals`` raises :class:`Stopped` in the main thread.
 
     Later ones are ignored. ``grace_s``: then end the process after that many
     seconds, flushed or not (None: never). The previous handlers come back on exit;
     off the main thread (where Python allows no handler) it does nothing.
+
+    ``deferred``: only note the signal (:func:`pending_stop`); the training loop stops
+    at a step the ranks agree on. Raised at once, a rank stopped between collectives
+    while another sat blocked in one that it would never join (a Python handler cannot
+    run inside a blocking C call): that rank waited for torchrun's SIGKILL at 30 s,
+    its records unflushed (1 of 7 CI runs of tests/demo/test_stop.py).
     """
+    global _pending
     watched = list(signals)
+    _pending = 0
 
     def handler(signum: int, _frame: object) -> None:
+        global _pending
         for s in watched:
             signal.signal(s, signal.SIG_IGN)
         if grace_s is not None:
             threading.Thread(target=_exit_after, args=(grace_s, 128 + signum), daemon=True).start()
+        if deferred:
+            _pending = signum
+            return
         raise Stopped(signum)
 
     if threading.current_thread() is not threading.main_thread():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from syncless.demo.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatch
 from syncless.demo.model import MoETransformer, init_weights
 from syncless.demo.parallel import clip_grad_norm, init_distributed, sync_gradients
 from syncless.demo.progress import progress_view
-from syncless.demo.signals import Stopped
+from syncless.demo.signals import Stopped, pending_stop
 from syncless.demo.tools import DemoContext, DemoTool
 from syncless.profile import OFF
 from syncless.run import RankInfo, Run, Sink
@@ -220,12 +221,15 @@ def _train_in(
         if step % cfg.log_every == 0 or step == final:
             prof.begin_section("log", category="sync")
             # grad_norm is already global (equal on every rank), so the mean keeps it.
-            stats = torch.stack([loss.detach().float(), balance.detach().float(), grad_norm])
+            # The last element: a stop signal deferred on this rank (signals.stop_on);
+            # above 0 after the all_reduce, every rank stops after this step.
+            stop = torch.full_like(grad_norm, pending_stop())
+            stats = torch.stack([loss.detach().float(), balance.detach().float(), grad_norm, stop])
             if world > 1:
                 dist.all_reduce(stats)
                 stats /= world
             # The demo's one read-back per logged step.
-            loss_v, balance_v, grad_norm_v = stats.tolist()
+            loss_v, balance_v, grad_norm_v, stop_v = stats.tolist()
             now = time.perf_counter()
             # Mean over the steps since the last log: a host timer per step would
             # measure enqueue time, not device time, wherever the host runs ahead.
@@ -245,6 +249,8 @@ def _train_in(
                 },
             )
             prof.end_section("log")
+            if stop_v > 0:  # the same step on every rank: their closes match up
+                raise Stopped(pending_stop() or signal.SIGTERM)
         dispatcher.end_step()
         for tool in tools:
             tool.step_end(step)
