@@ -242,12 +242,17 @@ def _trace(ctx: Ctx) -> None:
 # ---- captures ---------------------------------------------------------------------
 
 
+_CAPTURED: list[str] = []  # one demo run with captures, shared by the checks below
+
+
 def _capture_run(ctx: Ctx) -> str:
-    """A demo run with the hidden states of both layers captured for 3 steps."""
-    run_dir = ctx.cwd / "captured"
-    argv = [dc.SYNCLESS, "demo", "--steps", "3", "--capture", "0,1", "--run-dir", str(run_dir)]
-    ctx.run([*argv, "--quiet", "--no-report"])
-    return str(run_dir)
+    """A demo run with the hidden states of both layers captured for 3 steps (made once)."""
+    if not _CAPTURED:
+        run_dir = ctx.request.getfixturevalue("tmp_path_factory").mktemp("captured") / "run"
+        argv = [dc.SYNCLESS, "demo", "--steps", "3", "--capture", "0,1", "--run-dir", str(run_dir)]
+        ctx.run([*argv, "--quiet", "--no-report"])
+        _CAPTURED.append(str(run_dir))
+    return _CAPTURED[0]
 
 
 @runs("syncless captures RUN_DIR")
