@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -128,10 +129,15 @@ class CapturedRecord(NamedTuple):
 class CaptureSink(Protocol):
     """A destination for captured tensors.
 
-    ``write`` runs on the engine's writer thread, never on the training thread, once per
+    ``write`` runs on the engine's writer threads, never on the training thread, once per
     shard (a batch of records in capture order). An exception from it is counted: its
     records are dropped with reason ``sink_error`` and training goes on (the engine's
     ``strict=True`` raises it on the training thread instead).
+
+    With ``writers > 1`` the engine calls ``write`` from several threads at once, so
+    shards may finish out of order. A sink must be safe for that, or declare
+    ``concurrent_writes = False`` as a class attribute: then one thread writes
+    whatever was asked.
     """
 
     def write(self, records: Sequence[CapturedRecord]) -> None: ...
@@ -152,7 +158,8 @@ class SafetensorsSink:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.shards_written = 0
-        self._seq = self._next_free_seq()
+        self._seq = self._next_free_seq()  # the next shard's number
+        self._lock = threading.Lock()  # writes run concurrently: numbers are taken under it
 
     def _next_free_seq(self) -> int:
         # Resuming into an existing run directory must not overwrite earlier shards.
@@ -162,7 +169,19 @@ class SafetensorsSink:
     def write(self, records: Sequence[CapturedRecord]) -> None:
         if not records:
             return
-        stem = f"rank{self.rank:05d}-{self._seq:06d}"
+        with self._lock:
+            seq, self._seq = self._seq, self._seq + 1
+        try:
+            self._write_shard(f"rank{self.rank:05d}-{seq:06d}", records)
+        except BaseException:
+            with self._lock:
+                if self._seq == seq + 1:  # no later write took a number: the next reuses it
+                    self._seq = seq
+            raise
+        with self._lock:
+            self.shards_written += 1
+
+    def _write_shard(self, stem: str, records: Sequence[CapturedRecord]) -> None:
         header, keys = shard_header(records, self.rank)
         data_start = 8 + len(header)
         tmp = self.dir / f".{stem}.safetensors.tmp"
@@ -178,8 +197,6 @@ class SafetensorsSink:
         tmp = self.dir / f".{stem}.parquet.tmp"
         pq.write_table(table, tmp)
         os.replace(tmp, self.dir / f"{stem}.parquet")
-        self._seq += 1
-        self.shards_written += 1
 
     def close(self) -> None:
         pass
@@ -235,6 +252,8 @@ def index_table(
 
 class MemorySink:
     """Keeps a copy of every record in memory (tests, notebooks, small captures)."""
+
+    concurrent_writes = False  # one write at a time keeps ``records`` in capture order
 
     def __init__(self) -> None:
         self.records: list[CapturedRecord] = []

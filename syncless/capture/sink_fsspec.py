@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,7 +79,8 @@ class FsspecSink:
         self.rank = rank
         self.shards_written = 0
         self._rename = _renames_atomically(self.fs)
-        self._seq = self._next_free_seq()
+        self._seq = self._next_free_seq()  # the next shard's number
+        self._lock = threading.Lock()  # writes run concurrently: numbers are taken under it
 
     def _next_free_seq(self) -> int:
         # Resuming at a URL must not overwrite earlier shards. Listings may be cached
@@ -91,7 +93,19 @@ class FsspecSink:
     def write(self, records: Sequence[CapturedRecord]) -> None:
         if not records:
             return
-        stem = f"rank{self.rank:05d}-{self._seq:06d}"
+        with self._lock:
+            seq, self._seq = self._seq, self._seq + 1
+        try:
+            self._write_shard(f"rank{self.rank:05d}-{seq:06d}", records)
+        except BaseException:
+            with self._lock:
+                if self._seq == seq + 1:  # no later write took a number: the next reuses it
+                    self._seq = seq
+            raise
+        with self._lock:
+            self.shards_written += 1
+
+    def _write_shard(self, stem: str, records: Sequence[CapturedRecord]) -> None:
         header, keys = shard_header(records, self.rank)
         with self._create(f"{stem}.safetensors") as f:
             f.write(struct.pack("<Q", len(header)))
@@ -103,8 +117,6 @@ class FsspecSink:
         table = index_table(records, f"{stem}.safetensors", keys, 8 + len(header))
         with self._create(f"{stem}.parquet") as f:
             pq.write_table(table, f)
-        self._seq += 1
-        self.shards_written += 1
 
     def _create(self, name: str) -> _NewFile:
         final = f"{self.dir}/{name}"

@@ -7,6 +7,11 @@ staging space back), calls ``sink.write`` once per shard, and then releases the
 batches' staging space. Writing on its own thread keeps a slow disk from delaying the
 drain's next copy, which may have to start at a window's OPEN.
 
+With ``workers > 1`` a pool of threads writes up to that many shards at once: several
+files in flight use an NVMe drive's queue depth and an object store's parallel
+uploads. Staging space is still released in submission order, because the staging
+ring is FIFO: a shard that finishes early waits for the older ones.
+
 A sink that raises never reaches the training step: the shard's records are counted
 as dropped (``sink_error``), the first error is kept for ``strict`` mode, and the
 writer goes on with the next shard.
@@ -18,11 +23,13 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from syncless.capture.sink import CapturedRecord, CaptureSink
 from syncless.capture.stats import CaptureStats, DropReason
+from syncless.errors import UsageError
 
 __all__ = ["Batch", "SinkWriter"]
 
@@ -39,8 +46,20 @@ class Batch:
     staged: bool
 
 
+@dataclass
+class _Shard:
+    """Batches written by one ``sink.write`` call."""
+
+    batches: list[Batch]
+    done: bool = False  # written or failed (its staging is released once older shards are)
+
+
 class SinkWriter:
-    """Writes batches to ``sink`` in shards, on a thread or (``background=False``) inline.
+    """Writes batches to ``sink`` in shards, on threads or (``background=False``) inline.
+
+        writer = SinkWriter(sink, drain.release_staging, stats, 64 << 20, 1.0, True, workers=4)
+        writer.submit(Batch(records, nbytes, staged=True))
+        writer.flush()  # every shard so far written and its staging released
 
     Args:
         sink: where the records go.
@@ -49,7 +68,9 @@ class SinkWriter:
         stats: the engine's counters.
         shard_bytes: write a shard once this many bytes are waiting.
         shard_interval_s: ... or once the oldest waiting batch is this old.
-        background: write on a thread of its own (False: on the caller's thread).
+        background: write on threads of their own (False: on the caller's thread).
+        workers: shards written at once (background only; 1 for a sink that declares
+            ``concurrent_writes = False``).
     """
 
     def __init__(
@@ -60,7 +81,10 @@ class SinkWriter:
         shard_bytes: int,
         shard_interval_s: float,
         background: bool,
+        workers: int = 1,
     ) -> None:
+        if workers < 1:
+            raise UsageError(f"the sink writer needs at least 1 worker, got workers={workers}")
         self._sink = sink
         self._release_staging = release_staging
         self._stats = stats
@@ -72,16 +96,34 @@ class SinkWriter:
         self.error: BaseException | None = None  # the first sink error, for strict mode
         self._queue: queue.Queue[object] = queue.Queue()
         self._kicked = False
+        # Shards handed to the sink whose staging is not released yet, oldest first.
+        self._inflight: deque[_Shard] = deque()
+        self._writing = 0  # of those, the ones the sink is still writing
+        self._lock = threading.Condition()  # guards _inflight, _writing and error
+        concurrent = getattr(sink, "concurrent_writes", True)
+        self._workers = workers if background and concurrent else 1
+        self._shards: queue.Queue[_Shard | None] = queue.Queue()  # for the pool
+        self._pool: list[threading.Thread] = []
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._run, name="syncless-capture-writer")
             self._thread.daemon = True
             self._thread.start()
+        if self._workers > 1:
+            for i in range(self._workers):
+                name = f"syncless-capture-writer-{i + 1}"
+                self._pool.append(threading.Thread(target=self._work, name=name, daemon=True))
+                self._pool[-1].start()
 
     @property
     def thread(self) -> threading.Thread | None:
-        """The writer thread (None inline or once closed)."""
+        """The thread that gathers shards (None inline or once closed)."""
         return self._thread
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """Every writer thread: the gathering one and the pool's (empty inline or closed)."""
+        return [t for t in (self._thread, *self._pool) if t is not None and t.is_alive()]
 
     def submit(self, batch: Batch) -> None:
         """A batch whose bytes have landed (called by the drain, in capture order)."""
@@ -114,11 +156,16 @@ class SinkWriter:
             self._write_if_due()
 
     def close(self) -> None:
-        """Write everything, stop the thread, close the sink (errors counted, not raised)."""
+        """Write everything, stop the threads, close the sink (errors counted, not raised)."""
         if self._thread is not None:
             self._queue.put(_STOP)
             self._thread.join()
             self._thread = None
+            for _ in self._pool:
+                self._shards.put(None)
+            for t in self._pool:
+                t.join()
+            self._pool = []
         else:
             self._write()
         try:
@@ -145,10 +192,17 @@ class SinkWriter:
                 self._write()
             elif isinstance(item, threading.Event):
                 self._write()
+                self._wait_released()
                 item.set()
             elif item is _STOP:
                 self._write()
+                self._wait_released()
                 return
+
+    def _work(self) -> None:
+        """A pool thread: writes the shards it is handed until told to stop (None)."""
+        while (shard := self._shards.get()) is not None:
+            self._store(shard)
 
     def _add(self, batch: Batch) -> None:
         if not self._pending:
@@ -164,11 +218,26 @@ class SinkWriter:
             self._write()
 
     def _write(self) -> None:
+        """Hand the pending batches to the sink as one shard (on a pool thread if any)."""
         if not self._pending:
             return
-        batches, self._pending, self._pending_bytes = self._pending, [], 0
-        records = [r for b in batches for r in b.records]
-        nbytes = sum(b.nbytes for b in batches)
+        shard = _Shard(self._pending)
+        self._pending, self._pending_bytes = [], 0
+        with self._lock:
+            # Wait for a free worker rather than queue shards for the pool. Written shards
+            # that wait for an older one hold staging: the staging ring bounds those.
+            self._lock.wait_for(lambda: self._writing < self._workers)
+            self._writing += 1
+            self._inflight.append(shard)
+        if self._pool:
+            self._shards.put(shard)
+        else:
+            self._store(shard)
+
+    def _store(self, shard: _Shard) -> None:
+        records = [r for b in shard.batches for r in b.records]
+        nbytes = sum(b.nbytes for b in shard.batches)
+        start = time.perf_counter()
         try:
             if records:
                 self._sink.write(records)
@@ -178,17 +247,37 @@ class SinkWriter:
         else:
             if records:
                 self._stats.add2("stored_count", len(records), "stored_bytes", nbytes)
-                self._stats.add("sink_shards_count")
+                self._stats.add2(
+                    "sink_shards_count", 1, "sink_ms", (time.perf_counter() - start) * 1e3
+                )
         finally:
-            # The sink is done with the staging views (written or failed): reuse them.
-            for b in batches:
-                if b.staged:
-                    self._release_staging()
+            self._release(shard)
+
+    def _release(self, shard: _Shard) -> None:
+        """``shard`` is done: release the staging of the finished shards at the front of
+        the line, oldest first (the staging ring is FIFO)."""
+        with self._lock:
+            self._writing -= 1
+            shard.done = True
+            while self._inflight and self._inflight[0].done:
+                # The sink is done with the staging views (written or failed): reuse them.
+                for b in self._inflight.popleft().batches:
+                    if b.staged:
+                        self._release_staging()
+            self._lock.notify_all()
+
+    def _wait_released(self) -> None:
+        """Until every shard handed to the sink is written and its staging released."""
+        with self._lock:
+            self._lock.wait_for(lambda: not self._inflight)
 
     def _failed(self, err: BaseException) -> None:
         self._stats.add("sink_errors_count")
-        if self.error is None:
-            self.error = err
+        with self._lock:  # pool threads fail at once: one of them is the first
+            first = self.error is None
+            if first:
+                self.error = err
+        if first:
             print(
                 f"syncless: capture sink {type(self._sink).__name__} failed ({err!r}); "
                 f"its records are counted as dropped (sink_error), further errors counted",
