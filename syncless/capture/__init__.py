@@ -23,8 +23,9 @@ from syncless.capture.controller import (
 from syncless.capture.windows import Location, PatternVersions, WindowPattern, pack, unpack
 
 if TYPE_CHECKING:
+    from syncless.capture.config import EngineConfig
     from syncless.capture.drain import WindowReport
-    from syncless.capture.engine import CaptureEngine, EngineConfig
+    from syncless.capture.engine import CaptureEngine
     from syncless.capture.reader import CaptureStore, open
     from syncless.capture.sink import CapturedRecord, CaptureSink, MemorySink, SafetensorsSink
     from syncless.capture.sink_fsspec import FsspecSink
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 # name -> module that defines it (torch-importing modules, loaded lazily)
 _LAZY = {
     "CaptureEngine": "engine",
-    "EngineConfig": "engine",
+    "EngineConfig": "config",
     "WindowReport": "drain",
     "DropReason": "stats",
     "CaptureSink": "sink",

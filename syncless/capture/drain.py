@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
@@ -58,9 +59,12 @@ __all__ = ["DrainWorker", "WindowReport"]
 # the copy stream while the host finishes the previous one (releases its ring space,
 # hands it to the writer), so the host's turnaround does not show up as idle PCIe time.
 _MAX_INFLIGHT = 2
-# A batching or planned drain with nothing to do sleeps this long at most: whatever
-# gives it something to do (a capture, a launch, a request, staging space) wakes it.
+# A planned drain with nothing to do sleeps this long at most: whatever gives it
+# something to do (a capture, a launch, a request, staging space) wakes it.
 _IDLE_WAIT_S = 0.01
+# A batching drain with no record waiting sleeps this long at most (the next capture
+# wakes it): a bound on a lost wake-up, not a poll.
+_PARK_S = 0.1
 
 
 class WindowReport(NamedTuple):
@@ -135,6 +139,8 @@ class DrainWorker:
         rank: int,
         late_issue_s: float,
         poll_interval_s: float,
+        gather_bytes: int,
+        gather_s: float,
         reports: int = 4096,
         planned: bool = False,
     ) -> None:
@@ -154,6 +160,13 @@ class DrainWorker:
         self._rank = rank
         self._late_issue_s = late_issue_s
         self._poll = poll_interval_s
+        # Batching gathers captures into one transfer (see _gathered_enough).
+        self._gather_bytes = gather_bytes
+        self._gather_s = gather_s
+        self._gathered = 0
+        self._gather_until: float | None = None  # monotonic end of the current gather
+        self._parked = False  # no record waits: the next capture wakes the drain
+        self._eager = False  # planned windows: every capture wakes the drain to plan
         self._requests: deque[_Request] = deque()  # served in order, by the drain only
         self._requests_lock = threading.Lock()  # against a request racing the drain's death
         self._inflight: deque[_Transfer] = deque()  # issued, oldest first
@@ -253,9 +266,9 @@ class DrainWorker:
 
         With a copy in flight, until it lands (the next copy can only start after it on
         the copy stream anyway; a window copy's outcome is judged from device stamps,
-        not from when the drain looks). Batching (no windows), until the oldest record's
-        copy into the ring lands or something wakes the drain: a capture, a request,
-        staging space given back, a pattern, suspend or resume. With windows on the
+        not from when the drain looks). Batching (no windows), see
+        :meth:`_idle_batching`; a request, staging space given back, a pattern, suspend
+        or resume wake it at once. With windows on the
         device and nothing in flight, until the stream reaches the next boundary:
         windows open and close only there. These waits release the GIL. Polling
         instead, every ``poll_interval_s``, took the GIL thousands of times a second
@@ -268,8 +281,7 @@ class DrainWorker:
             self._timeline.wait(self._inflight[0].end)
             return
         if not windowed:
-            if not self._wait_oldest_record():
-                self._sleep(_IDLE_WAIT_S if self._thread is not None else self._poll)
+            self._idle_batching()
             return
         if self._planned and self._timeline.blocks and self._idle_planned():
             return
@@ -288,6 +300,67 @@ class DrainWorker:
         self._wake.wait(timeout_s)
         # Cleared before the next look at the ring: a wake after this is not lost.
         self._wake.clear()
+
+    def _idle_batching(self) -> None:
+        """Batching, nothing moved: park while no record waits (the next capture wakes
+        the drain); sleep out the gather (:meth:`_gathered_enough`); else wait for the
+        copies into the ring of what the next transfer will take."""
+        background = self._thread is not None
+        self._parked = True  # before the look: a capture after it sees the flag
+        if len(self._queue) <= self._inflight_records:
+            self._gather_until = None
+            self._sleep(_PARK_S if background else self._poll)
+            self._parked = False
+            return
+        self._parked = False
+        if background and not self._gathered_enough():
+            assert self._gather_until is not None
+            self._sleep(max(0.0, self._gather_until - time.monotonic()))
+            return
+        if not self._wait_batch():
+            self._sleep(self._gather_s if background else self._poll)
+
+    def _gathered_enough(self) -> bool:
+        """Batching on a thread takes records only once ``gather_bytes`` of them wait
+        or the oldest has waited ``gather_s``: captures pile up and go in one
+        transfer, so the drain's Python (which holds the GIL) runs per transfer. A
+        look per capture cost the training thread 182 us per 4 KiB ``capture()`` on
+        the H200 (bench/capture_drain.py, 01755cc)."""
+        self._gathered = 0  # wake again after that many more bytes
+        waiting = 0
+        for i in range(self._inflight_records, len(self._queue)):
+            waiting += self._queue.peek(i).span
+            if waiting >= self._gather_bytes:
+                return True
+        if not waiting:
+            self._gather_until = None
+            return False
+        now = time.monotonic()
+        if self._gather_until is None:
+            self._gather_until = now + self._gather_s
+        return now >= self._gather_until
+
+    def _wait_batch(self) -> bool:
+        """Batching: wait for the copies into the ring of every record captured so far
+        that the next transfer could carry (the newest one's event; releases the GIL),
+        so the transfer takes them all at once rather than one per loop. False if
+        there is nothing to wait for."""
+        limit = self._staging_largest()
+        total, last = 0, None
+        for i in range(self._inflight_records, len(self._queue)):
+            rec = self._queue.peek(i)
+            if rec.state not in (WRITTEN, READY, VOID):
+                break  # still being enqueued by the training thread
+            size = 0 if rec.state == VOID else rec.span
+            if total + size > limit:
+                break
+            total += size
+            if rec.state == WRITTEN and rec.event is not None:
+                last = rec
+        if last is None or last.event.query():
+            return self._wait_oldest_record()  # captured on another stream, maybe
+        last.event.synchronize()
+        return True
 
     def _wait_oldest_record(self) -> bool:
         """Wait for the oldest record not in flight if its copy into the ring has not
@@ -325,8 +398,18 @@ class DrainWorker:
         return True
 
     def notify(self) -> None:
-        """A record was captured (the engine calls this): wake an idle drain."""
+        """Something changed that an idle drain must see now: wake it."""
         self._wake.set()
+
+    @hot_path
+    def captured(self, span: int) -> None:
+        """A record of ``span`` ring bytes was captured: wake the drain if enough piled
+        up (or always, for planned windows, which plan as soon as records are ready).
+        The unlocked count may lose an update to a race with the drain's reset; that
+        only delays the wake until the drain's next look, ``gather_s`` at most."""
+        self._gathered += span
+        if self._eager or self._parked or self._gathered >= self._gather_bytes:
+            self._wake.set()
 
     # -- planned windows: the framework's thread launches at the OPEN -------------------
 
@@ -457,8 +540,10 @@ class DrainWorker:
         progressed = self._finish()
         self._observe()
         progressed |= self._serve_requests()
+        windowed = self._windowed()
+        self._eager = self._planned and windowed
         if not self._requests and len(self._inflight) < _MAX_INFLIGHT:
-            if self._windowed():
+            if windowed:
                 progressed |= self._serve_window()
             else:
                 if self._planned:
@@ -648,10 +733,13 @@ class DrainWorker:
     def _batch(self) -> bool:
         if self._send_oversized_head():
             return True
+        if self._thread is not None and not self._gathered_enough():
+            return False
         prefix = self._ready_prefix(self._staging_largest())
         if not prefix:
             self._maybe_kick_writer()
             return False
+        self._gather_until = None
         self._issue(prefix, "batch")
         return True
 

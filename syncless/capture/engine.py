@@ -17,21 +17,30 @@ Nothing is lost silently: a record is stored, or dropped and counted with a reas
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from syncless.capture.boundary import BoundaryClock
+from syncless.capture.config import (
+    EngineConfig,
+    OnFull,
+    check_on_full,
+    positive_int,
+    resolve_device,
+    resolve_sink,
+)
 from syncless.capture.controller import ControllerConfig, GrantController
 from syncless.capture.drain import DrainWorker, WindowReport
 from syncless.capture.records import VOID, WRITTEN, Record, RecordQueue
-from syncless.capture.sink import CaptureSink, SafetensorsSink
+from syncless.capture.shortfall import Shortfall
+from syncless.capture.sink import CaptureSink
 from syncless.capture.stats import GAUGES, CaptureStats, DropReason, ThreadClock
 from syncless.capture.windows import WindowPattern
 from syncless.capture.writer import SinkWriter
@@ -44,8 +53,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CaptureEngine", "EngineConfig", "OnFull"]
 
-OnFull = Literal["drop", "block", "flush"]
-_ON_FULL = ("drop", "block", "flush")
 # Reasons a waiting capture can outlast; the others are final.
 _WAITABLE = (DropReason.RING_FULL, DropReason.RECORDS_FULL)
 # Counters reported under capture/self/ (the engine's own cost), not capture/step/.
@@ -58,74 +65,13 @@ _SELF = (
 )
 
 
-def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _positive_float(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{what} must be a number > 0, got {value!r}")
-    return float(value)
-
-
-def _check_on_full(value: Any) -> OnFull:
-    if value not in _ON_FULL:
-        raise ValueError(
-            f"on_full={value!r}: expected one of {', '.join(map(repr, _ON_FULL))} (drop: "
-            f"count it and go on; block: wait for the drain to free space; flush: drain "
-            f"everything ready now, then capture)"
-        )
-    return value
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Tuning of the capture engine; the defaults suit a training step of milliseconds.
-
-    Args:
-        max_records: record slots, i.e. records in the ring at most (each slot has a
-            preallocated CUDA event).
-        align: alignment of every record in both rings, in bytes (a power of two >= 16,
-            so any dtype can be viewed in place; larger values help copy speed).
-        boundary_pool: boundaries whose device stamps are kept; a window whose OPEN or
-            CLOSE is this many boundaries old when the drain looks is not measured.
-        poll_interval_s: how often an idle drain looks at the ring and the boundary
-            word where nothing wakes it: windows the drain observes (the CPU), and an
-            inline drain (``background=False``). A batching or planned drain thread
-            sleeps until woken instead.
-        late_issue_s: a window transfer that starts later than this after the OPEN (on
-            the device timeline) was issued late: the controller learns nothing from it.
-        shard_bytes: the writer writes a shard once this many bytes are waiting
-            (default: half the staging ring, so the drain keeps the other half).
-        shard_interval_s: ... or once the oldest waiting batch is this old.
-        planned_windows: windows copies planned by the drain and launched by
-            ``advance_boundary()`` at the OPEN (None, the default: on CUDA, where a
-            drain thread that reacts to the OPEN starts late on a host-bound step); on
-            the CPU the launch is the copy itself, inside ``advance_boundary()``.
-    """
-
-    max_records: int = 4096
-    align: int = 64
-    boundary_pool: int = 1024
-    poll_interval_s: float = 2e-4
-    late_issue_s: float = 5e-4
-    shard_bytes: int | None = None
-    shard_interval_s: float = 5.0
-    planned_windows: bool | None = None
-
-    def __post_init__(self) -> None:
-        _positive_int(self.max_records, "EngineConfig.max_records")
-        _positive_int(self.align, "EngineConfig.align", 16)
-        if self.align & (self.align - 1):
-            raise ValueError(f"EngineConfig.align must be a power of two, got {self.align}")
-        _positive_int(self.boundary_pool, "EngineConfig.boundary_pool", 2)
-        _positive_float(self.poll_interval_s, "EngineConfig.poll_interval_s")
-        _positive_float(self.late_issue_s, "EngineConfig.late_issue_s")
-        if self.shard_bytes is not None:
-            _positive_int(self.shard_bytes, "EngineConfig.shard_bytes")
-        _positive_float(self.shard_interval_s, "EngineConfig.shard_interval_s")
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 class CaptureEngine:
@@ -179,20 +125,20 @@ class CaptureEngine:
         cfg = config if config is not None else EngineConfig()
         if not isinstance(cfg, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(cfg).__name__}")
-        ring_bytes = _positive_int(ring_bytes, "CaptureEngine: ring_bytes", cfg.align)
-        staging_bytes = _positive_int(staging_bytes, "CaptureEngine: staging_bytes", cfg.align)
+        ring_bytes = positive_int(ring_bytes, "CaptureEngine: ring_bytes", cfg.align)
+        staging_bytes = positive_int(staging_bytes, "CaptureEngine: staging_bytes", cfg.align)
         if staging_bytes > ring_bytes:
             raise ValueError(
                 f"CaptureEngine: staging_bytes ({staging_bytes}) > ring_bytes ({ring_bytes}): "
                 f"a transfer carries records from the ring, so staging beyond the ring's "
                 f"size is never used; make the ring at least as large as staging"
             )
-        self._on_full = _check_on_full(on_full)
-        self._device = _resolve_device(device)
+        self._on_full = check_on_full(on_full)
+        self._device = resolve_device(device)
         self._cuda = self._device.type == "cuda"
         self._rank = run.ranks.rank if run is not None else rank_info().rank
         self._run = run
-        self._sink = _resolve_sink(sink, run, self._rank)
+        self._sink = resolve_sink(sink, run, self._rank)
         self._strict = strict
         self._background = background
         self._config = cfg
@@ -209,6 +155,7 @@ class CaptureEngine:
 
         # Everything the hot path touches is allocated here, once.
         self._ring = torch.empty(ring_bytes, dtype=torch.uint8, device=self._device)
+        self._typed_rings: dict[torch.dtype, torch.Tensor] = {}
         staging = torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=self._cuda)
         self._queue = RecordQueue(
             ring_bytes, cfg.align, cfg.max_records, _event_factory(self._device)
@@ -223,6 +170,7 @@ class CaptureEngine:
             shard_bytes,
             cfg.shard_interval_s,
             background,
+            workers=cfg.writers,
         )
         self._drain = DrainWorker(
             queue=self._queue,
@@ -236,7 +184,16 @@ class CaptureEngine:
             rank=self._rank,
             late_issue_s=cfg.late_issue_s,
             poll_interval_s=cfg.poll_interval_s,
+            gather_bytes=(
+                cfg.gather_bytes
+                if cfg.gather_bytes is not None
+                else max(cfg.align, min(ring_bytes // 8, staging_bytes // 2))
+            ),
+            gather_s=cfg.gather_interval_s,
             planned=self._cuda if cfg.planned_windows is None else cfg.planned_windows,
+        )
+        self._shortfall = Shortfall(
+            type(self._sink).__name__, cfg.writers, ring_bytes, staging_bytes
         )
         self._closed = False
         self._last_step = 0
@@ -273,6 +230,12 @@ class CaptureEngine:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def shortfall(self) -> str | None:
+        """Why the first record that found no room was dropped (also printed on
+        stderr once): which stage is short, at what rates. None before any such drop."""
+        return self._shortfall.message
 
     @property
     def drain_error(self) -> BaseException | None:
@@ -316,11 +279,13 @@ class CaptureEngine:
         t0 = time.perf_counter_ns()
         if self._strict:
             self._raise_errors()
-        policy = self._on_full if on_full is None else _check_on_full(on_full)
+        policy = self._on_full if on_full is None else check_on_full(on_full)
         self._check_capture(tag, tensor, step)
         nbytes = tensor.numel() * tensor.element_size()
         meta_json = None if meta is None else _meta_json(meta)
         self._stats.add2("offered_count", 1, "offered_bytes", nbytes)
+        if self._shortfall.started is None:
+            self._shortfall.started = time.monotonic()
         rec = self._reserve(tag, step, tensor, nbytes, meta_json, policy)
         if rec is not None:
             self._copy(rec, tensor)
@@ -344,6 +309,8 @@ class CaptureEngine:
         if rec is None:
             assert reason is not None
             self._stats.drop(reason, nbytes)
+            if reason in _WAITABLE and self._shortfall.message is None:
+                self._shortfall.drop(self.counters(), reason.value, tag, step)
         return rec
 
     @hot_path
@@ -372,9 +339,8 @@ class CaptureEngine:
 
     @hot_path
     def _copy(self, rec: Record, tensor: torch.Tensor) -> None:
-        dst = self._ring[rec.offset : rec.offset + rec.nbytes].view(rec.dtype).view(rec.shape)
         try:
-            dst.copy_(tensor.detach())
+            self._ring_slice(rec).copy_(tensor.detach())
             if rec.event is not None:
                 rec.event.record(torch.cuda.current_stream(self._device))
         except BaseException:
@@ -382,8 +348,25 @@ class CaptureEngine:
             self._stats.drop(DropReason.COPY_ERROR, rec.nbytes)
             raise
         rec.state = WRITTEN
-        self._drain.notify()
+        self._drain.captured(rec.span)
         self._stats.add2("captured_count", 1, "captured_bytes", rec.nbytes)
+
+    @hot_path
+    def _ring_slice(self, rec: Record) -> torch.Tensor:
+        """The record's ring bytes as its dtype and shape: one ``as_strided`` of a view
+        of the ring typed once per dtype (1.1 us on the CPU, against 3.8 us for a byte
+        slice viewed twice). Records start at multiples of ``align``, which every
+        element size divides."""
+        dtype = rec.dtype
+        typed = self._typed_rings.get(dtype)
+        if typed is None:
+            size = dtype.itemsize
+            n = self._ring.numel()
+            typed = self._ring[: n - n % size].view(dtype)
+            self._typed_rings[dtype] = typed
+        return typed.as_strided(
+            rec.shape, _contiguous_strides(rec.shape), rec.offset // dtype.itemsize
+        )
 
     @hot_path
     def _check_capture(self, tag: str, tensor: torch.Tensor, step: int | None) -> None:
@@ -528,7 +511,7 @@ class CaptureEngine:
             "drain_cpu_ms",
             self._thread_clock.advance(self._drain.thread),
             "writer_cpu_ms",
-            self._thread_clock.advance(self._writer.thread),
+            sum(self._thread_clock.advance(t) for t in self._writer.threads),
         )
         values: dict[str, float] = {}
         for name, value in self._stats.deltas().items():
@@ -580,45 +563,6 @@ class CaptureEngine:
                 nbytes += rec.nbytes
         if count:
             self._stats.drop(DropReason.DRAIN_ERROR, nbytes, count)
-
-
-def _resolve_device(device: torch.device | str | None) -> torch.device:
-    if device is None:
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"CaptureEngine: device={device!r} is not a torch device") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"CaptureEngine: device={device} but CUDA is not available")
-        if device.index is None:  # compare equal to the tensors' devices, which are indexed
-            device = torch.device("cuda", torch.cuda.current_device())
-    elif device.type != "cpu":
-        raise ValueError(
-            f"CaptureEngine: device={device}: expected a CUDA device or the CPU (copies to "
-            f"the host are CUDA copies, or synchronous copies on the CPU)"
-        )
-    return device
-
-
-def _resolve_sink(
-    sink: CaptureSink | str | os.PathLike[str] | None, run: Run | None, rank: int
-) -> CaptureSink:
-    if sink is None:
-        if run is None:
-            raise ValueError(
-                "CaptureEngine: no sink: pass a CaptureSink, a run directory, or run=Run(...)"
-            )
-        return SafetensorsSink(run.dir, rank)
-    if isinstance(sink, (str, os.PathLike)):
-        return SafetensorsSink(sink, rank)
-    if not isinstance(sink, CaptureSink):
-        raise ValueError(
-            f"CaptureEngine: sink must be a CaptureSink (write(records), close()) or a run "
-            f"directory, got {type(sink).__name__}"
-        )
-    return sink
 
 
 def _event_factory(device: torch.device) -> Callable[[], Any] | None:

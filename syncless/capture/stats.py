@@ -70,6 +70,7 @@ COUNTERS: tuple[str, ...] = (
     "window_launched_count",  # ... launched by advance_boundary() at the OPEN
     "window_plan_dropped_count",  # ... dropped (a request came first, or the OPEN passed)
     "sink_shards_count",
+    "sink_ms",  # time inside the sink's write, summed over writers (a rate: stored / this)
     "sink_errors_count",
     "boundary_count",  # advance_boundary() calls
     "capture_host_ms",  # host time inside capture() (the engine bills itself)

@@ -1,0 +1,146 @@
+"""What a capture engine is built from: its tuning (:class:`EngineConfig`), its
+backpressure policy, its device and its sink, each checked with an error that says
+what was expected."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from syncless.capture.sink import CaptureSink, SafetensorsSink
+
+if TYPE_CHECKING:
+    from syncless.run import Run
+
+__all__ = ["EngineConfig", "OnFull", "check_on_full", "resolve_device", "resolve_sink"]
+
+OnFull = Literal["drop", "block", "flush"]
+_ON_FULL = ("drop", "block", "flush")
+
+
+def positive_int(value: Any, what: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def positive_float(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{what} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def check_on_full(value: Any) -> OnFull:
+    if value not in _ON_FULL:
+        raise ValueError(
+            f"on_full={value!r}: expected one of {', '.join(map(repr, _ON_FULL))} (drop: "
+            f"count it and go on; block: wait for the drain to free space; flush: drain "
+            f"everything ready now, then capture)"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Tuning of the capture engine; the defaults suit a training step of milliseconds.
+
+    Args:
+        max_records: record slots, i.e. records in the ring at most (each slot has a
+            preallocated CUDA event).
+        align: alignment of every record in both rings, in bytes (a power of two >= 16,
+            so any dtype can be viewed in place; larger values help copy speed).
+        boundary_pool: boundaries whose device stamps are kept; a window whose OPEN or
+            CLOSE is this many boundaries old when the drain looks is not measured.
+        poll_interval_s: how often an idle drain looks at the ring and the boundary
+            word where nothing wakes it: windows the drain observes (the CPU), and an
+            inline drain (``background=False``). A batching or planned drain thread
+            sleeps until woken instead.
+        late_issue_s: a window transfer that starts later than this after the OPEN (on
+            the device timeline) was issued late: the controller learns nothing from it.
+        shard_bytes: the writer writes a shard once this many bytes are waiting
+            (default: half the staging ring, so the drain keeps the other half).
+        shard_interval_s: ... or once the oldest waiting batch is this old.
+        gather_bytes: a batching drain is woken once this many bytes were captured
+            since it last looked (default: the smaller of an eighth of the ring and
+            half the staging ring, so the drain starts with most of the ring free) ...
+        gather_interval_s: ... or looks this long after the first record it has not
+            taken. Captures in between pile up and go in one transfer, so the drain's
+            Python (which holds the GIL) runs per transfer, not per capture.
+        writers: shards the sink writes at once, each on a thread of its own (a sink
+            with ``concurrent_writes = False`` gets one). Several files in flight use
+            an NVMe drive's queue depth or an object store's parallel uploads.
+        planned_windows: windows copies planned by the drain and launched by
+            ``advance_boundary()`` at the OPEN (None, the default: on CUDA, where a
+            drain thread that reacts to the OPEN starts late on a host-bound step); on
+            the CPU the launch is the copy itself, inside ``advance_boundary()``.
+    """
+
+    max_records: int = 4096
+    align: int = 64
+    boundary_pool: int = 1024
+    poll_interval_s: float = 2e-4
+    late_issue_s: float = 5e-4
+    shard_bytes: int | None = None
+    shard_interval_s: float = 5.0
+    gather_bytes: int | None = None
+    gather_interval_s: float = 0.02
+    writers: int = 1
+    planned_windows: bool | None = None
+
+    def __post_init__(self) -> None:
+        positive_int(self.max_records, "EngineConfig.max_records")
+        positive_int(self.align, "EngineConfig.align", 16)
+        if self.align & (self.align - 1):
+            raise ValueError(f"EngineConfig.align must be a power of two, got {self.align}")
+        positive_int(self.boundary_pool, "EngineConfig.boundary_pool", 2)
+        positive_float(self.poll_interval_s, "EngineConfig.poll_interval_s")
+        positive_float(self.late_issue_s, "EngineConfig.late_issue_s")
+        if self.shard_bytes is not None:
+            positive_int(self.shard_bytes, "EngineConfig.shard_bytes")
+        positive_float(self.shard_interval_s, "EngineConfig.shard_interval_s")
+        if self.gather_bytes is not None:
+            positive_int(self.gather_bytes, "EngineConfig.gather_bytes")
+        positive_float(self.gather_interval_s, "EngineConfig.gather_interval_s")
+        positive_int(self.writers, "EngineConfig.writers")
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"CaptureEngine: device={device!r} is not a torch device") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"CaptureEngine: device={device} but CUDA is not available")
+        if device.index is None:  # compare equal to the tensors' devices, which are indexed
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(
+            f"CaptureEngine: device={device}: expected a CUDA device or the CPU (copies to "
+            f"the host are CUDA copies, or synchronous copies on the CPU)"
+        )
+    return device
+
+
+def resolve_sink(
+    sink: CaptureSink | str | os.PathLike[str] | None, run: Run | None, rank: int
+) -> CaptureSink:
+    if sink is None:
+        if run is None:
+            raise ValueError(
+                "CaptureEngine: no sink: pass a CaptureSink, a run directory, or run=Run(...)"
+            )
+        return SafetensorsSink(run.dir, rank)
+    if isinstance(sink, (str, os.PathLike)):
+        return SafetensorsSink(sink, rank)
+    if not isinstance(sink, CaptureSink):
+        raise ValueError(
+            f"CaptureEngine: sink must be a CaptureSink (write(records), close()) or a run "
+            f"directory, got {type(sink).__name__}"
+        )
+    return sink

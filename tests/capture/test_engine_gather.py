@@ -1,0 +1,134 @@
+"""The batching drain gathers captures: one transfer per pile, not one per capture.
+
+Ground truth is the number of captures made and their bytes, counted by the test; the
+engine's transfer count (``d2h_count``) must be far below the capture count, and every
+record must still reach the sink without a flush (no lost wake-up).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from syncless.capture import CaptureEngine, EngineConfig, MemorySink
+from syncless.guard import no_sync
+
+MiB = 1 << 20
+RECORD = torch.arange(1024, dtype=torch.float32)  # 4 KiB: a 4096-byte span at align 64
+
+
+def stored_within(engine: CaptureEngine, count: int, seconds: float) -> bool:
+    """Poll the engine's counters (not the drain) until ``count`` records are stored."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if engine.counters()["stored_count"] >= count:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_captures_pile_up_until_gather_bytes_then_go_in_one_transfer() -> None:
+    sink = MemorySink()
+    config = EngineConfig(gather_bytes=10 * 4096, gather_interval_s=30.0, shard_interval_s=0.01)
+    engine = CaptureEngine(16 * MiB, 4 * MiB, sink, device="cpu", config=config)
+    n = 100
+    with no_sync():
+        for i in range(n):
+            engine.capture("x", RECORD, step=i)
+            # Releases the GIL: a drain woken by each capture would take each alone.
+            time.sleep(0.001)
+    transfers = engine.counters()["d2h_count"]
+    engine.close()
+    # The first capture wakes the parked drain; after that one wake per 10 records.
+    assert transfers <= n // 10 + 3, transfers
+    assert [r.step for r in sink.records] == list(range(n))
+    assert all(torch.equal(t, RECORD) for t in sink.tensors())
+
+
+def test_a_lone_capture_is_stored_without_a_flush() -> None:
+    """The parked drain must wake for the first record, then gather for at most
+    ``gather_interval_s``: a lost wake-up would leave it in the ring for good."""
+    sink = MemorySink()
+    config = EngineConfig(gather_bytes=1 << 30, gather_interval_s=0.05, shard_interval_s=0.01)
+    engine = CaptureEngine(16 * MiB, 4 * MiB, sink, device="cpu", config=config)
+    try:
+        for round_ in range(3):
+            with no_sync():
+                engine.capture("lone", RECORD, step=round_)
+            assert stored_within(engine, round_ + 1, seconds=5.0), engine.counters()
+    finally:
+        engine.close()
+    assert [r.step for r in sink.records] == [0, 1, 2]
+
+
+def test_gather_settings_are_checked() -> None:
+    for bad in (dict(gather_bytes=0), dict(gather_interval_s=0.0), dict(gather_bytes=1.5)):
+        try:
+            EngineConfig(**bad)
+        except ValueError as e:
+            assert "gather" in str(e)
+        else:
+            raise AssertionError(f"EngineConfig({bad}) was accepted")
+
+
+class GatedSink:
+    """A sink whose writes wait for the test to open the gate (a slow disk)."""
+
+    concurrent_writes = False
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.written = 0
+
+    def write(self, records) -> None:
+        assert self.gate.wait(30), "the test never opened the gate"
+        self.written += len(records)
+
+    def close(self) -> None:
+        pass
+
+
+def wait_until(predicate, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_the_first_drop_behind_a_slow_sink_names_the_sink(capsys) -> None:
+    sink = GatedSink()
+    record = torch.zeros(64 * 1024 // 4)  # 64 KiB
+    engine = CaptureEngine(MiB, 256 * 1024, sink, device="cpu", config=EngineConfig())
+    try:
+        with no_sync():
+            for i in range(4):  # the staging ring's worth
+                assert engine.capture("x", record, step=i)
+            # The drain fills staging; the writer is stuck in the sink's first write.
+            assert wait_until(lambda: engine.counters()["staging_used_bytes"] >= 256 * 1024)
+            stored = [engine.capture("x", record, step=4 + i) for i in range(32)]
+        assert not all(stored)  # the ring (1 MiB) filled behind the full staging ring
+        assert engine.shortfall is not None
+        assert "staging ring is full: the sink is the limit" in engine.shortfall
+        assert "GatedSink" in engine.shortfall and "ring_full" in engine.shortfall
+        assert capsys.readouterr().err.count("dropped its first record") == 1  # once
+    finally:
+        sink.gate.set()
+        engine.close()
+    dropped = sum(engine.dropped().values())
+    assert sink.written + dropped == 36  # every record stored or counted
+
+
+def test_a_burst_into_a_ring_nobody_drains_names_the_ring(capsys) -> None:
+    record = torch.zeros(64 * 1024 // 4)
+    engine = CaptureEngine(MiB, 256 * 1024, MemorySink(), device="cpu", background=False)
+    with no_sync():
+        stored = [engine.capture("x", record, step=i) for i in range(20)]
+    assert stored.count(True) == 16  # 1 MiB of 64 KiB records; no poll() drained any
+    assert "MiB device ring filled faster than the drain emptied it" in engine.shortfall
+    assert "1 MiB device ring" in engine.shortfall
+    engine.close()
+    assert capsys.readouterr().err.count("dropped its first record") == 1
