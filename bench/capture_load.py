@@ -1,0 +1,287 @@
+"""Capture under real load: every layer's hidden state, every step, of a GPU-bound model.
+
+Issue 23. Three measurements in one process:
+
+1. **The disk.** What the sink's directory takes: sequential writes of shard-sized
+   files from pinned memory, timed until written (the page cache) and until on disk
+   (``fsync``), by one writer and by a pool. The synced rate is what the sink can
+   sustain for hours; the page cache only absorbs bursts.
+2. **The engine into that disk.** Unconstrained (no training): records of the
+   hidden-state size captured back to back (``on_full="block"``) into the default
+   safetensors sink, timed until the sink has everything and until it is synced,
+   against min(pinned D2H, disk).
+3. **Training.** A Hugging Face model built from its config (bench/hf_models.py,
+   default llama-1b: 16 layers, B 4 x L 2048, 32 MiB of bf16 hidden state per layer,
+   512 MiB per step), interleaved A/B segments (bench/segments.py) of ``off`` against:
+   ``null`` (every layer into a sink that discards: the D2H path and the engine's
+   threads alone), ``disk`` (every layer into the safetensors sink, one writer),
+   ``disk-pool`` (``--writers`` writers) and ``mixed`` (every layer plus 16 rows of 4
+   KiB per layer, 256 small captures and 16 large per step, into the null sink). Per
+   mode: the step's overhead, the rate offered and stored, drops, the engine threads'
+   CPU time, and ``capture()``'s host time per call, small and large apart.
+
+    python bench/capture_load.py                          # one H200
+    python bench/capture_load.py --tiny --no-append      # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from capture_drain import NullSink, d2h_gbps  # bench/ is on sys.path as a script
+from hf_models import bench_device, build_workload, model_specs, throughput, tiny
+from results import append_result
+from segments import ModelState, Segment, measure, round_overheads
+
+from syncless.capture import CaptureEngine, EngineConfig, SafetensorsSink
+
+MiB = 1 << 20
+MODES = ("off", "null", "disk", "disk-pool", "mixed")
+
+
+def write_files(folder: Path, total: int, chunk: int, writers: int) -> tuple[float, float]:
+    """Seconds to write ``total`` bytes as files of ``chunk`` bytes from one pinned
+    buffer (``writers`` threads), then seconds until ``os.sync()`` returns."""
+    data = torch.empty(chunk, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    data.fill_(7)
+    view = memoryview(data.numpy())
+    files = max(1, total // chunk)
+    names = iter(range(files))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = next(names, None)
+            if i is None:
+                return
+            with open(folder / f"f{i:05d}.bin", "wb") as f:
+                f.write(view)
+
+    os.sync()
+    start = time.perf_counter()
+    threads = [threading.Thread(target=work) for _ in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    written = time.perf_counter() - start
+    os.sync()
+    synced = time.perf_counter() - start
+    for p in folder.glob("f*.bin"):
+        p.unlink()
+    return written, synced
+
+
+def disk_rates(folder: Path, total: int, chunk: int, writers: int) -> dict[str, float]:
+    out = {}
+    for n in (1, writers):
+        written, synced = write_files(folder, total, chunk, n)
+        out[f"cache_{n}"] = total / written / 1e9
+        out[f"synced_{n}"] = total / synced / 1e9
+    return out
+
+
+def engine_to_disk(
+    folder: Path, ring: int, staging: int, record: int, total: int, writers: int
+) -> tuple[float, float, dict[str, float]]:
+    """GB/s of the engine into the safetensors sink: until stored, until synced."""
+    sink = SafetensorsSink(folder)
+    config = EngineConfig(writers=writers)
+    engine = CaptureEngine(ring, staging, sink, on_full="block", config=config)
+    x = torch.randn(record // 2, device=engine.device, dtype=torch.bfloat16)
+    n = total // record
+    os.sync()
+    start = time.perf_counter()
+    for i in range(n):
+        engine.capture("x", x, step=i)
+    engine.flush()
+    stored = time.perf_counter() - start
+    os.sync()
+    synced = time.perf_counter() - start
+    counters = engine.counters()
+    engine.close()
+    shutil.rmtree(folder / "captures", ignore_errors=True)
+    nbytes = n * record
+    return nbytes / stored / 1e9, nbytes / synced / 1e9, counters
+
+
+class CaptureMode:
+    """One segment's engine and hooks: every layer's output, maybe small rows too."""
+
+    def __init__(self, work, mode: str, args: argparse.Namespace, folder: Path) -> None:
+        self.folder = folder
+        sink = NullSink() if mode in ("null", "mixed") else SafetensorsSink(folder)
+        writers = args.writers if mode == "disk-pool" else 1
+        self.engine = CaptureEngine(
+            args.ring_mb * MiB, args.staging_mb * MiB, sink, config=EngineConfig(writers=writers)
+        )
+        self.small = args.small if mode == "mixed" else 0
+        self.times: dict[str, list[float]] = {"large": [], "small": []}
+        self.step = 0
+        self.hooks = [
+            layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(work.layers)
+        ]
+        self.before = self.engine.counters()
+        self.start = time.perf_counter()
+
+    def _hook(self, index: int):
+        tag = f"layer_{index:02d}/hidden"
+
+        def hook(_module, _args, out) -> None:
+            hidden = out[0] if isinstance(out, tuple) else out
+            t0 = time.perf_counter_ns()
+            self.engine.capture(tag, hidden, step=self.step)
+            self.times["large"].append((time.perf_counter_ns() - t0) / 1e3)
+            for row in range(self.small):
+                t0 = time.perf_counter_ns()
+                self.engine.capture(f"{tag}/row", hidden[0, row], step=self.step)
+                self.times["small"].append((time.perf_counter_ns() - t0) / 1e3)
+
+        return hook
+
+    def flush(self, step: int) -> None:
+        self.step = step + 1
+
+    def close(self, totals: dict[str, list[float]]) -> None:
+        seconds = time.perf_counter() - self.start
+        after = self.engine.counters()
+        for h in self.hooks:
+            h.remove()
+        self.engine.close()
+        shutil.rmtree(self.folder / "captures", ignore_errors=True)
+        delta = {k: after[k] - self.before[k] for k in after}
+        totals.setdefault("seconds", []).append(seconds)
+        for key in ("offered_bytes", "stored_bytes", "drain_cpu_ms", "writer_cpu_ms"):
+            totals.setdefault(key, []).append(delta[key])
+        dropped = sum(v for k, v in delta.items() if k.startswith("dropped_") and "count" in k)
+        totals.setdefault("dropped", []).append(dropped)
+        for kind, values in self.times.items():
+            totals.setdefault(f"host_{kind}", []).extend(values)
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
+
+
+def run_training(args: argparse.Namespace, device, matmul, folder: Path) -> list[str]:
+    spec = model_specs()[args.model]
+    spec = tiny(spec) if args.tiny else spec
+    work = build_workload(spec, device)
+    state = ModelState(work=work, budget=0.01)
+    totals: dict[str, dict[str, list[float]]] = {m: {} for m in args.modes}
+
+    def open_segment(mode: str, _state) -> Segment:
+        if mode == "off":
+            return Segment()
+        cap = CaptureMode(work, mode, args, folder)
+        return Segment(flush=cap.flush, close=lambda: cap.close(totals[mode]))
+
+    rounds, failed = measure(
+        state,
+        list(args.modes),
+        open_segment,
+        lambda mode: (args.warmup, args.seg),
+        args.rounds,
+        time.perf_counter() + args.budget_s,
+    )
+    off = [t for r in rounds for t in r.get("off", [])]
+    head = f"{spec.name} ({spec.layers} layers, B {spec.batch} x L {spec.seq_len}), "
+    head += throughput(work, statistics.median(off), matmul)
+    lines = []
+    for mode in args.modes:
+        if mode == "off":
+            continue
+        if mode in failed:
+            lines.append(f"{head}; {mode}: failed ({failed[mode]})")
+            continue
+        o = round_overheads(rounds, mode)
+        t = totals[mode]
+        secs = sum(t["seconds"])
+        text = (
+            f"{head}; {mode}: step {statistics.median(o) * 100:+.2f}% "
+            f"[{min(o) * 100:+.2f}..{max(o) * 100:+.2f}] ({len(o)} rounds); offered "
+            f"{sum(t['offered_bytes']) / secs / 1e9:.2f} GB/s, stored "
+            f"{sum(t['stored_bytes']) / secs / 1e9:.2f} GB/s, dropped {int(sum(t['dropped']))}; "
+            f"drain CPU {sum(t['drain_cpu_ms']) / secs / 10:.1f}%, writer CPU "
+            f"{sum(t['writer_cpu_ms']) / secs / 10:.1f}% of a core; capture() host us/call "
+            f"large median {statistics.median(t['host_large']):.1f} "
+            f"p99 {pct(t['host_large'], 99):.1f}"
+        )
+        if t.get("host_small"):
+            text += (
+                f", small median {statistics.median(t['host_small']):.1f} "
+                f"p99 {pct(t['host_small'], 99):.1f}"
+            )
+        lines.append(text)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama-1b")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--seg", type=int, default=16)
+    parser.add_argument("--small", type=int, default=16, help="4 KiB rows per layer (mixed)")
+    parser.add_argument("--writers", type=int, default=4)
+    parser.add_argument("--ring-mb", type=int, default=4096)
+    parser.add_argument("--staging-mb", type=int, default=1024)
+    parser.add_argument("--disk-gb", type=float, default=12.0)
+    parser.add_argument("--dir", default=None, help="where the sink writes (default: a temp dir)")
+    parser.add_argument("--skip-disk", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=300.0)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--no-append", action="store_true")
+    args = parser.parse_args()
+    args.modes = args.modes.split(",")
+    if args.tiny:
+        args.ring_mb, args.staging_mb, args.disk_gb = 64, 16, 0.25
+    device, matmul = bench_device(args.tiny)
+    folder = Path(tempfile.mkdtemp(prefix="capture-load-", dir=args.dir))
+    lines = []
+    try:
+        if not args.skip_disk:
+            total = int(args.disk_gb * 1e9)
+            chunk = args.staging_mb * MiB // 2  # the writer's default shard
+            disk = disk_rates(folder, total, chunk, args.writers)
+            pinned = d2h_gbps(device, args.staging_mb * MiB, pinned=True, reps=5)
+            record = 32 * MiB if not args.tiny else MiB
+            ring, staging = args.ring_mb * MiB, args.staging_mb * MiB
+            one = engine_to_disk(folder, ring, staging, record, total, 1)
+            pool = engine_to_disk(folder, ring, staging, record, total, args.writers)
+            limit = min(pinned, disk["synced_1"])
+            limit_pool = min(pinned, disk[f"synced_{args.writers}"])
+            lines.append(
+                f"disk under {folder.parent} ({args.disk_gb:g} GB in {chunk // MiB} MiB files "
+                f"from pinned memory): 1 writer {disk['cache_1']:.2f} GB/s into the page "
+                f"cache, {disk['synced_1']:.2f} GB/s synced; {args.writers} writers "
+                f"{disk[f'cache_{args.writers}']:.2f} / {disk[f'synced_{args.writers}']:.2f} "
+                f"GB/s; pinned D2H {pinned:.1f} GB/s. Engine into the safetensors sink "
+                f"({record // MiB} MiB records, ring {args.ring_mb} MiB, staging "
+                f"{args.staging_mb} MiB): 1 writer {one[0]:.2f} GB/s stored, {one[1]:.2f} "
+                f"synced = {one[1] / limit:.0%} of min(D2H, synced disk); {args.writers} "
+                f"writers {pool[0]:.2f} stored, {pool[1]:.2f} synced = "
+                f"{pool[1] / limit_pool:.0%} (target >= 90%)"
+            )
+            print(lines[-1], flush=True)
+        lines += run_training(args, device, matmul, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    for line in lines:
+        print(line)
+        if not args.no_append:
+            append_result("capture_load", line)
+
+
+if __name__ == "__main__":
+    main()
