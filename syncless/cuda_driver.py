@@ -32,8 +32,9 @@ _WRITE_VALUE_64 = 5  # CU_STREAM_MEM_OP_WRITE_VALUE_64
 
 
 class Driver:
-    """``cuEventRecord``, ``cuEventElapsedTime``, ``cuStreamWriteValue64``,
-    ``cuStreamBatchMemOp`` (where the driver has it) and ``cuMemHostGetDevicePointer``."""
+    """``cuEventRecord``, ``cuEventElapsedTime``, ``cuMemcpyDtoDAsync``,
+    ``cuStreamWriteValue64``, ``cuStreamBatchMemOp`` (where the driver has it) and
+    ``cuMemHostGetDevicePointer``."""
 
     def __init__(self, lib: Any) -> None:
         self._record = lib.cuEventRecord
@@ -46,6 +47,14 @@ class Driver:
         self._write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
         self._host_ptr = lib.cuMemHostGetDevicePointer_v2
         self._host_ptr.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        self._memcpy = getattr(lib, "cuMemcpyDtoDAsync_v2", None)
+        if self._memcpy is not None:
+            self._memcpy.argtypes = [
+                ctypes.c_uint64,
+                ctypes.c_uint64,
+                ctypes.c_size_t,
+                ctypes.c_void_p,
+            ]
         batch = getattr(lib, "cuStreamBatchMemOp_v2", None) or getattr(
             lib, "cuStreamBatchMemOp", None
         )
@@ -61,6 +70,12 @@ class Driver:
         """``cuEventRecord`` itself, ``(event, stream) -> CUresult`` (0 on success), for a
         caller that records on every span and binds it once."""
         return self._record
+
+    def memcpy_fn(self) -> Any | None:
+        """``cuMemcpyDtoDAsync`` itself, ``(dst, src, nbytes, stream) -> CUresult``, for
+        the capture engine's copy into its ring (a torch ``copy_`` releases the GIL);
+        None where the driver lacks it."""
+        return self._memcpy
 
     def write_fn(self) -> Any:
         """``cuStreamWriteValue64`` itself, ``(stream, address, value, flags) ->

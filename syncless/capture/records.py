@@ -38,6 +38,7 @@ class Record:
     __slots__ = (
         "dtype",
         "event",
+        "handle",
         "meta",
         "nbytes",
         "offset",
@@ -51,6 +52,7 @@ class Record:
 
     def __init__(self, event: Any) -> None:
         self.event = event  # torch.cuda.Event on CUDA, None on CPU (copies land at once)
+        self.handle = event.cuda_event if event is not None else 0  # its CUevent
         self.seq = -1
         self.tag = ""
         self.step: int | None = None

@@ -154,3 +154,56 @@ def test_close_drops_a_plan_whose_window_never_comes() -> None:
     c = engine.counters()
     assert c["window_plan_dropped_count"] == 1 and c["window_launched_count"] == 0
     assert c["d2h_flush_bytes"] > 0 and c["d2h_window_bytes"] == 0
+
+
+def test_driver_copies_are_byte_exact_and_ordered_on_the_current_stream() -> None:
+    """Contiguous tensors go through cuMemcpyDtoDAsync on the current stream (here a
+    side stream whose producer kernel is still running); every other layout through
+    torch. Ground truth: clones taken on the producing stream."""
+    from syncless.capture.ring_copy import RingCopier
+
+    driver_copies = []
+    original = RingCopier._driver_copy
+
+    def spy(self, rec, tensor):
+        done = original(self, rec, tensor)
+        driver_copies.append(done)
+        return done
+
+    sink = MemorySink()
+    engine = CaptureEngine(256 << 20, 64 << 20, sink)
+    side = torch.cuda.Stream()
+    base = torch.randn(2048, 2048, device="cuda")
+    want = []
+    RingCopier._driver_copy = spy
+    try:
+        with no_sync(), torch.cuda.stream(side):
+            for i in range(4):
+                a = base
+                for _ in range(8):  # milliseconds of work before the tensor exists
+                    a = (a @ base).tanh_()
+                tensors = [
+                    a,  # contiguous: the driver's copy
+                    a[7:9],  # a storage offset
+                    a.bfloat16(),
+                    (a[:4, :4] + 1j * a[4:8, :4]).conj(),  # the conjugate bit: torch's path
+                    -a[:3],  # a negated view is materialised by the op itself
+                    a.t(),  # strided: torch's path
+                    a[0, 0],  # 0-d
+                    a[:0],  # empty
+                ]
+                for j, t in enumerate(tensors):
+                    engine.capture(f"t{j}", t, step=i)
+                    want.append(t.resolve_conj().clone())
+        side.synchronize()
+    finally:
+        RingCopier._driver_copy = original
+    engine.close()
+    got = [r.tensor() for r in sink.records]
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert torch.equal(
+            g.reshape(-1).view(torch.uint8), w.cpu().contiguous().reshape(-1).view(torch.uint8)
+        )
+    assert any(driver_copies), "no capture took the driver's path"
