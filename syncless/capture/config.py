@@ -65,8 +65,8 @@ class EngineConfig:
             with a shard while the drain fills the next).
         shard_interval_s: ... or once the oldest waiting batch is this old.
         gather_bytes: a batching drain is woken once this many bytes were captured
-            since it last looked (default: the smaller of an eighth of the ring and
-            half the staging ring, so the drain starts with most of the ring free) ...
+            since it last looked (default: the smaller of an eighth of the ring and a
+            shard, so the drain starts with most of the ring free) ...
         gather_interval_s: ... or looks this long after the first record it has not
             taken. Captures in between pile up and go in one transfer, so the drain's
             Python (which holds the GIL) runs per transfer, not per capture.

@@ -178,17 +178,12 @@ class CaptureEngine:
             rank=self._rank,
             late_issue_s=cfg.late_issue_s,
             poll_interval_s=cfg.poll_interval_s,
-            gather_bytes=(
-                cfg.gather_bytes
-                if cfg.gather_bytes is not None
-                else max(cfg.align, min(ring_bytes // 8, staging_bytes // 2))
-            ),
+            gather_bytes=cfg.gather_bytes or max(cfg.align, min(ring_bytes // 8, shard_bytes)),
             gather_s=cfg.gather_interval_s,
+            batch_bytes=shard_bytes,
             planned=self._cuda if cfg.planned_windows is None else cfg.planned_windows,
         )
-        self._shortfall = Shortfall(
-            type(self._sink).__name__, writers, ring_bytes, staging_bytes
-        )
+        self._shortfall = Shortfall(type(self._sink).__name__, writers, ring_bytes, staging_bytes)
         self._closed = False
         self._last_step = 0
         self._thread_clock = ThreadClock()
