@@ -54,7 +54,12 @@ class Shortfall:
             f"{_gbps(d2h)}, the sink ({self._sink_name}{writers}) writes {_gbps(sink)} "
             f"while it writes. "
         )
-        if counters["staging_used_bytes"] >= 0.9 * self._staging_bytes:
+        if reason == "records_full":
+            text += (
+                "Every record slot is in flight (many small captures): raise "
+                "EngineConfig.max_records, or capture fewer, larger tensors."
+            )
+        elif counters["staging_used_bytes"] >= 0.9 * self._staging_bytes:
             text += "The staging ring is full: the sink is the limit. "
             if sink:
                 text += f"Keep the volume under {_gbps(sink)}, or give "

@@ -232,6 +232,13 @@ class Budget:
             return
         self.timing = frozenset(m for m in active_next if _timed(self._active_steps[m]))
 
+    def pause(self) -> None:
+        """The handle pauses: time nothing, and measure no step period across the pause
+        (a period spanning it would make every monitor look cheap)."""
+        self.timing = frozenset()
+        self._spans.clear()
+        self._last_step_end = None
+
     def _read_pending(self) -> None:
         while self._pending:
             spans, host = self._pending[0]

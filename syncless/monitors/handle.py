@@ -91,12 +91,30 @@ class MonitorHandle:
         self.budget = ctx.budget
         self.optimizer_steps = 0  # step calls that were optimizer steps (cadences count them)
         self.micro_steps = 0  # step(..., accumulate=True) calls
+        self.paused = False
         self._set_cadence(0)
 
     @property
     def cadences(self) -> dict[str, int]:
         """Every how many steps each monitor runs now (the budget may change them)."""
         return {m.name: m.every for m in self.monitors}
+
+    def pause(self) -> None:
+        """Measure nothing until :meth:`resume` (evaluation, a phase not worth watching):
+        every hook returns after one flag read and ``step`` flushes nothing. Call it
+        after a step's ``step()``. The budget keeps what it learnt, so the cadences in
+        force at ``resume`` are the ones a run that never paused would have."""
+        self.paused = True
+        for m in self.monitors:
+            m.active = False
+        if self.budget is not None:
+            self.budget.pause()
+
+    def resume(self) -> None:
+        """Measure again from the next step, at the cadences in force."""
+        if self.paused:
+            self.paused = False
+            self._set_cadence(self.optimizer_steps)
 
     def _set_cadence(self, step: int) -> None:
         budget = self.budget
@@ -123,6 +141,8 @@ class MonitorHandle:
         if accumulate:
             self.micro_steps += 1
             return StepRecords()
+        if self.paused:
+            return self._collect(block=False)
         self.optimizer_steps += 1
         start = time.perf_counter()
         active = [m.name for m in self.monitors if m.active]
