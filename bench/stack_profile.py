@@ -78,9 +78,8 @@ def main() -> None:
             step = run_steps(work, handle if on else None, step, args.steps, walls[on])
         per[on] = defaultdict(float, kernel_times(prof))
         if on:
-            selfcost = [
-                r.value for r in handle.last_records if r.name == "monitors/self/stack_share_frac"
-            ]
+            budget = handle.budget
+            selfcost = [sum(budget.share().values())] if budget is not None else []
             cadences = dict(handle.cadences)
             handle.close()
     n = args.steps
