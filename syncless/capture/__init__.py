@@ -24,18 +24,18 @@ from syncless.capture.windows import Location, PatternVersions, WindowPattern, p
 
 if TYPE_CHECKING:
     from syncless.capture.config import EngineConfig
-    from syncless.capture.drain import WindowReport
     from syncless.capture.engine import CaptureEngine
     from syncless.capture.reader import CaptureStore, open
     from syncless.capture.sink import CapturedRecord, CaptureSink, MemorySink, SafetensorsSink
     from syncless.capture.sink_fsspec import FsspecSink
     from syncless.capture.stats import DropReason
+    from syncless.capture.window_reports import WindowReport
 
 # name -> module that defines it (torch-importing modules, loaded lazily)
 _LAZY = {
     "CaptureEngine": "engine",
     "EngineConfig": "config",
-    "WindowReport": "drain",
+    "WindowReport": "window_reports",
     "DropReason": "stats",
     "CaptureSink": "sink",
     "CapturedRecord": "sink",
