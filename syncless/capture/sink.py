@@ -29,11 +29,12 @@ shape ``[nbytes]``); the index keeps their real dtype and shape, and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -48,6 +49,7 @@ __all__ = [
     "CapturedRecord",
     "MemorySink",
     "SafetensorsSink",
+    "ShardNumbers",
     "dtype_name",
 ]
 
@@ -157,29 +159,21 @@ class SafetensorsSink:
         self.dir = Path(run_dir) / CAPTURES_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
-        self.shards_written = 0
-        self._seq = self._next_free_seq()  # the next shard's number
-        self._lock = threading.Lock()  # writes run concurrently: numbers are taken under it
+        self._numbers = ShardNumbers(self._next_free_seq())
 
     def _next_free_seq(self) -> int:
         # Resuming into an existing run directory must not overwrite earlier shards.
         names = self.dir.glob(f"rank{self.rank:05d}-*.safetensors")
         return max((int(p.stem.rsplit("-", 1)[1]) for p in names), default=0) + 1
 
+    @property
+    def shards_written(self) -> int:
+        return self._numbers.written
+
     def write(self, records: Sequence[CapturedRecord]) -> None:
-        if not records:
-            return
-        with self._lock:
-            seq, self._seq = self._seq, self._seq + 1
-        try:
-            self._write_shard(f"rank{self.rank:05d}-{seq:06d}", records)
-        except BaseException:
-            with self._lock:
-                if self._seq == seq + 1:  # no later write took a number: the next reuses it
-                    self._seq = seq
-            raise
-        with self._lock:
-            self.shards_written += 1
+        if records:
+            with self._numbers.take() as seq:
+                self._write_shard(f"rank{self.rank:05d}-{seq:06d}", records)
 
     def _write_shard(self, stem: str, records: Sequence[CapturedRecord]) -> None:
         header, keys = shard_header(records, self.rank)
@@ -200,6 +194,31 @@ class SafetensorsSink:
 
     def close(self) -> None:
         pass
+
+
+class ShardNumbers:
+    """Shard numbers for a sink whose ``write`` runs on several writer threads at once:
+    each write takes the next number under a lock, and one that fails gives it back
+    when no later write has taken one (so a single writer never leaves a gap)."""
+
+    def __init__(self, first: int) -> None:
+        self._next = first
+        self._lock = threading.Lock()
+        self.written = 0
+
+    @contextlib.contextmanager
+    def take(self) -> Iterator[int]:
+        with self._lock:
+            seq, self._next = self._next, self._next + 1
+        try:
+            yield seq
+        except BaseException:
+            with self._lock:
+                if self._next == seq + 1:
+                    self._next = seq
+            raise
+        with self._lock:
+            self.written += 1
 
 
 def shard_header(records: Sequence[CapturedRecord], rank: int) -> tuple[bytes, list[str]]:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import struct
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import pyarrow.parquet as pq
 
-from syncless.capture.sink import CapturedRecord, index_table, shard_header
+from syncless.capture.sink import CapturedRecord, ShardNumbers, index_table, shard_header
 from syncless.errors import UsageError
 
 __all__ = ["FsspecSink"]
@@ -77,10 +76,8 @@ class FsspecSink:
         self.dir = self.dir.rstrip("/")
         self.fs.makedirs(self.dir, exist_ok=True)
         self.rank = rank
-        self.shards_written = 0
         self._rename = _renames_atomically(self.fs)
-        self._seq = self._next_free_seq()  # the next shard's number
-        self._lock = threading.Lock()  # writes run concurrently: numbers are taken under it
+        self._numbers = ShardNumbers(self._next_free_seq())
 
     def _next_free_seq(self) -> int:
         # Resuming at a URL must not overwrite earlier shards. Listings may be cached
@@ -90,20 +87,14 @@ class FsspecSink:
         stems = (name.rsplit("/", 1)[-1].removesuffix(".safetensors") for name in names)
         return max((int(stem.rsplit("-", 1)[1]) for stem in stems), default=0) + 1
 
+    @property
+    def shards_written(self) -> int:
+        return self._numbers.written
+
     def write(self, records: Sequence[CapturedRecord]) -> None:
-        if not records:
-            return
-        with self._lock:
-            seq, self._seq = self._seq, self._seq + 1
-        try:
-            self._write_shard(f"rank{self.rank:05d}-{seq:06d}", records)
-        except BaseException:
-            with self._lock:
-                if self._seq == seq + 1:  # no later write took a number: the next reuses it
-                    self._seq = seq
-            raise
-        with self._lock:
-            self.shards_written += 1
+        if records:
+            with self._numbers.take() as seq:
+                self._write_shard(f"rank{self.rank:05d}-{seq:06d}", records)
 
     def _write_shard(self, stem: str, records: Sequence[CapturedRecord]) -> None:
         header, keys = shard_header(records, self.rank)
