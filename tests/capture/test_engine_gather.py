@@ -132,3 +132,17 @@ def test_a_burst_into_a_ring_nobody_drains_names_the_ring(capsys) -> None:
     assert "1 MiB device ring" in engine.shortfall
     engine.close()
     assert capsys.readouterr().err.count("dropped its first record") == 1
+
+
+def test_running_out_of_record_slots_names_the_slots() -> None:
+    config = EngineConfig(max_records=4)
+    engine = CaptureEngine(
+        MiB, 256 * 1024, MemorySink(), device="cpu", background=False, config=config
+    )
+    with no_sync():
+        stored = [engine.capture("x", RECORD, step=i) for i in range(6)]
+    assert stored == [True] * 4 + [False] * 2  # 4 slots; the ring had room for all six
+    assert engine.shortfall is not None and "records_full" in engine.shortfall
+    assert "Every record slot is in flight" in engine.shortfall
+    engine.close()
+    assert engine.dropped()["records_full"] == 2
