@@ -141,8 +141,10 @@ class MonitorHandle:
         if accumulate:
             self.micro_steps += 1
             return StepRecords()
-        if self.paused:
-            return self._collect(block=False)
+        if self.paused:  # readouts of steps before the pause still land, and go out
+            records = self._collect(block=False)
+            self._publish(records)
+            return records
         self.optimizer_steps += 1
         start = time.perf_counter()
         active = [m.name for m in self.monitors if m.active]

@@ -84,3 +84,28 @@ def test_the_budget_measures_no_period_across_a_pause() -> None:
     now[0] += 0.1
     budget.step_end(["a"], {"a": 1000})
     assert budget.step_ms == pytest.approx(100.0)
+
+
+def test_readouts_that_land_while_paused_still_reach_the_run(tmp_path) -> None:
+    """Lagged, on the readout thread: the step before the pause is read out during it;
+    its records must reach the run, not only the caller."""
+    from syncless.run import Run
+
+    model = _model()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    with Run(name="pause", run_dir=tmp_path / "run") as run:
+        emitted = []
+        run.emit = emitted.extend  # what the handle hands the run, as it hands it
+        handle = attach(model, [ActivationsMonitor(every=1)], run=run, background=True, budget=None)
+        with no_sync(cpu_as_device=True):
+            for step in range(4):
+                if step == 2:
+                    handle.pause()
+                _step(model, tokens, 1.0)
+                handle.step(step)
+        handle.close()
+    name = "monitors/layer_00/act_absmax"
+    steps = sorted(r.step for r in emitted if r.name == name)
+    assert steps == [0, 1]  # both measured steps, each once; nothing from the paused ones
+    want = _absmax_per_layer(model, tokens, 1.0)[0]
+    assert all(r.value == pytest.approx(want, rel=1e-5) for r in emitted if r.name == name)
