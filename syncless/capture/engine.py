@@ -43,7 +43,7 @@ from syncless.capture.shortfall import Shortfall
 from syncless.capture.sink import CaptureSink
 from syncless.capture.stats import GAUGES, CaptureStats, DropReason, ThreadClock
 from syncless.capture.windows import WindowPattern
-from syncless.capture.writer import SinkWriter
+from syncless.capture.writer import SinkWriter, writer_count
 from syncless.cuda_driver import stream_capturing
 from syncless.guard import allow_sync
 from syncless.hot_path import hot_path
@@ -154,7 +154,7 @@ class CaptureEngine:
         )
         self._boundary = BoundaryClock(self._device, cfg.boundary_pool, clock)
         self._stats = CaptureStats()
-        writers = cfg.writers if getattr(self._sink, "concurrent_writes", True) else 1
+        writers = writer_count(self._sink, cfg.writers, background)
         # Staging holds a shard per writer plus the one filling: all writers busy.
         shard_bytes = cfg.shard_bytes or staging_bytes // (writers + 1)
         self._writer = SinkWriter(
@@ -164,7 +164,7 @@ class CaptureEngine:
             shard_bytes,
             cfg.shard_interval_s,
             background,
-            workers=cfg.writers,
+            workers=writers,
         )
         self._drain = DrainWorker(
             queue=self._queue,

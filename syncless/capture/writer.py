@@ -31,7 +31,7 @@ from syncless.capture.sink import CapturedRecord, CaptureSink
 from syncless.capture.stats import CaptureStats, DropReason
 from syncless.errors import UsageError
 
-__all__ = ["Batch", "SinkWriter"]
+__all__ = ["Batch", "SinkWriter", "writer_count"]
 
 _KICK = object()
 _STOP = object()
@@ -52,6 +52,12 @@ class _Shard:
 
     batches: list[Batch]
     done: bool = False  # written or failed (its staging is released once older shards are)
+
+
+def writer_count(sink: CaptureSink, workers: int, background: bool) -> int:
+    """Shards written at once: ``workers`` on threads, but one inline (``background``
+    false) or for a sink that declares ``concurrent_writes = False``."""
+    return workers if background and getattr(sink, "concurrent_writes", True) else 1
 
 
 class SinkWriter:
@@ -100,8 +106,7 @@ class SinkWriter:
         self._inflight: deque[_Shard] = deque()
         self._writing = 0  # of those, the ones the sink is still writing
         self._lock = threading.Condition()  # guards _inflight, _writing and error
-        concurrent = getattr(sink, "concurrent_writes", True)
-        self._workers = workers if background and concurrent else 1
+        self._workers = writer_count(sink, workers, background)
         self._shards: queue.Queue[_Shard | None] = queue.Queue()  # for the pool
         self._pool: list[threading.Thread] = []
         self._thread: threading.Thread | None = None
