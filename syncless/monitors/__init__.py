@@ -2,8 +2,9 @@
 nonfinite. ``attach(model, build("all", optimizer=opt), run=run)`` then
 ``handle.step(step)`` once per training step."""
 
+from syncless.monitors.attach import attach
 from syncless.monitors.base import AREA, Monitor, MonitorContext
-from syncless.monitors.handle import MonitorHandle, attach
+from syncless.monitors.handle import MonitorHandle
 from syncless.monitors.registry import MONITORS, build, parse_names
 
 __all__ = [

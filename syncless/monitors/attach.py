@@ -1,0 +1,116 @@
+"""``syncless.monitors.attach``: set monitors up on a model (declare every metric,
+allocate once, hook), and the :class:`~syncless.monitors.handle.MonitorHandle` that
+flushes them per step."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from syncless.errors import UsageError
+from syncless.metrics import MetricSet
+from syncless.monitors.adapters import find_layers
+from syncless.monitors.base import Monitor, MonitorContext, compiled_and_run, recomputing
+from syncless.monitors.budget import DEFAULT_BUDGET, Budget
+from syncless.monitors.handle import MonitorHandle
+from syncless.monitors.output_read import fuse_output_reads
+from syncless.monitors.ranks import check_same_monitors
+from syncless.run import Run
+
+__all__ = ["attach"]
+
+
+def attach(
+    model: nn.Module | Sequence[nn.Module],
+    monitors: Sequence[Monitor],
+    *,
+    run: Run | None = None,
+    device: torch.device | str | None = None,
+    group: dist.ProcessGroup | None = None,
+    lagged: bool = True,
+    layer_offsets: Sequence[int] | None = None,
+    strict: bool = False,
+    background: bool | None = None,
+    budget: float | None = DEFAULT_BUDGET,
+) -> MonitorHandle:
+    """Declare every monitor on every model chunk, allocate once, then attach hooks.
+
+    ``model`` may be a list of chunks (interleaved pipeline parallel): all chunks are
+    mapped and declared before the single allocate; ``layer_offsets`` gives each
+    chunk's first global layer (see ``find_layers``), so ranks holding different
+    stages declare different layers and the metric core allocates their union.
+    ``lagged=True`` (default) reads a step's values at the next ``step()`` call, so no
+    step waits for its own copy. A monitor whose host-side ``derive`` fails is counted
+    (``monitors/self/<name>_derive_errors_count``) and reported once, not raised into
+    the training step, unless ``strict=True``. ``background`` (default: on when the
+    metrics live on a CUDA device and ``lagged``) decodes and derives each readout on a
+    readout thread (see ``MonitorHandle``); on a CPU the step's records come back from
+    the ``step`` call that reads them, which is what tests and scripts expect.
+
+    ``budget`` (default 0.01): the fraction of the step the stack may cost. Each
+    monitor's host and device cost per active step is measured (lagged, no sync) and
+    its cadence lengthened until the stack fits (a monitor's ``every`` is the fastest it
+    runs); the cadences, costs and shares are recorded as ``monitors/self/*`` and
+    printed at ``close()`` (syncless.monitors.budget). ``None``: fixed cadences.
+    """
+    if not monitors:
+        raise ValueError("attach() needs at least one monitor")
+    names = [m.name for m in monitors]
+    if len(set(names)) != len(names):
+        raise ValueError(f"each monitor may be attached once; got {names}")
+    check_same_monitors(monitors, group, budget)
+    model_map = find_layers(model, layer_offsets=layer_offsets)
+    if device is None:
+        first = model[0] if isinstance(model, Sequence) else model
+        device = next(first.parameters()).device
+    roots = list(model) if isinstance(model, Sequence) else [model]
+    if compiled_and_run(roots):
+        message = (
+            "attach() after the compiled model ran: torch.compile does not see hooks "
+            "added to modules it already compiled (torch._dynamo.config."
+            "skip_nnmodule_hook_guards is True), so some layers would record nothing. "
+            "Attach before the first step, or set that option to False before compiling."
+        )
+        if strict:
+            raise UsageError(message)
+        print(f"syncless: warning: {message}", file=sys.stderr)
+    ctx = MonitorContext(model_map, MetricSet(group), roots)
+    if budget is not None:
+        ctx.budget = Budget(budget, {m.name: m.every for m in monitors}, device, group)
+    for m in monitors:
+        m.prepare(ctx)
+    ctx.metrics.allocate(device)
+    for m in monitors:
+        m.attach(ctx)
+    fuse_output_reads(ctx, monitors)
+    is_main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if background is None:
+        background = lagged and torch.device(device).type == "cuda"
+    handle = MonitorHandle(
+        monitors, ctx, run, lagged, emit=is_main, strict=strict, background=background
+    )
+    if background and model_map.layers:
+        hook = _backward_signal(handle)
+        ctx.handles.append(model_map.layers[-1].block.register_forward_hook(hook))
+    return handle
+
+
+def _backward_signal(handle: MonitorHandle):
+    """A forward hook on the last block: a gradient hook on its output tells the
+    readout thread when the backward starts (one hook call and one tensor hook per
+    forward)."""
+
+    def hook(module: nn.Module, args: object, output: object) -> None:
+        # A checkpoint's recompute runs inside the backward already (traced: not asked).
+        if not torch.compiler.is_compiling() and recomputing():
+            return
+        # The output's Python type, not a tensor value: a structural branch.
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(handle.backward_started)
+
+    return hook
