@@ -49,6 +49,7 @@ __all__ = [
     "CapturedRecord",
     "MemorySink",
     "SafetensorsSink",
+    "ShardFiles",
     "ShardNumbers",
     "dtype_name",
 ]
@@ -147,55 +148,6 @@ class CaptureSink(Protocol):
     def close(self) -> None: ...
 
 
-class SafetensorsSink:
-    """One safetensors shard plus one Parquet index file per ``write``.
-
-    Args:
-        run_dir: the run directory; files go to ``<run_dir>/captures/``.
-        rank: this process's rank (part of every file name).
-    """
-
-    def __init__(self, run_dir: str | os.PathLike, rank: int = 0) -> None:
-        self.dir = Path(run_dir) / CAPTURES_DIR
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.rank = rank
-        self._numbers = ShardNumbers(self._next_free_seq())
-
-    def _next_free_seq(self) -> int:
-        # Resuming into an existing run directory must not overwrite earlier shards.
-        names = self.dir.glob(f"rank{self.rank:05d}-*.safetensors")
-        return max((int(p.stem.rsplit("-", 1)[1]) for p in names), default=0) + 1
-
-    @property
-    def shards_written(self) -> int:
-        return self._numbers.written
-
-    def write(self, records: Sequence[CapturedRecord]) -> None:
-        if records:
-            with self._numbers.take() as seq:
-                self._write_shard(f"rank{self.rank:05d}-{seq:06d}", records)
-
-    def _write_shard(self, stem: str, records: Sequence[CapturedRecord]) -> None:
-        header, keys = shard_header(records, self.rank)
-        data_start = 8 + len(header)
-        tmp = self.dir / f".{stem}.safetensors.tmp"
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(header)))
-            f.write(header)
-            for r in records:
-                if r.nbytes:
-                    f.write(memoryview(r.data.numpy()))
-        os.replace(tmp, self.dir / f"{stem}.safetensors")
-
-        table = index_table(records, f"{stem}.safetensors", keys, data_start)
-        tmp = self.dir / f".{stem}.parquet.tmp"
-        pq.write_table(table, tmp)
-        os.replace(tmp, self.dir / f"{stem}.parquet")
-
-    def close(self) -> None:
-        pass
-
-
 class ShardNumbers:
     """Shard numbers for a sink whose ``write`` runs on several writer threads at once:
     each write takes the next number under a lock, and one that fails gives it back
@@ -219,6 +171,67 @@ class ShardNumbers:
             raise
         with self._lock:
             self.written += 1
+
+
+class ShardFiles:
+    """A sink that writes each shard to files named by rank and shard number:
+    subclasses give the directory's next free number to :class:`ShardNumbers` and
+    write one shard in ``_write_shard``."""
+
+    rank: int
+    _numbers: ShardNumbers
+
+    @property
+    def shards_written(self) -> int:
+        return self._numbers.written
+
+    def write(self, records: Sequence[CapturedRecord]) -> None:
+        if records:
+            with self._numbers.take() as seq:
+                self._write_shard(f"rank{self.rank:05d}-{seq:06d}", records)
+
+    def _write_shard(self, stem: str, records: Sequence[CapturedRecord]) -> None:
+        raise NotImplementedError
+
+
+class SafetensorsSink(ShardFiles):
+    """One safetensors shard plus one Parquet index file per ``write``.
+
+    Args:
+        run_dir: the run directory; files go to ``<run_dir>/captures/``.
+        rank: this process's rank (part of every file name).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, rank: int = 0) -> None:
+        self.dir = Path(run_dir) / CAPTURES_DIR
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self._numbers = ShardNumbers(self._next_free_seq())
+
+    def _next_free_seq(self) -> int:
+        # Resuming into an existing run directory must not overwrite earlier shards.
+        names = self.dir.glob(f"rank{self.rank:05d}-*.safetensors")
+        return max((int(p.stem.rsplit("-", 1)[1]) for p in names), default=0) + 1
+
+    def _write_shard(self, stem: str, records: Sequence[CapturedRecord]) -> None:
+        header, keys = shard_header(records, self.rank)
+        data_start = 8 + len(header)
+        tmp = self.dir / f".{stem}.safetensors.tmp"
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(header)))
+            f.write(header)
+            for r in records:
+                if r.nbytes:
+                    f.write(memoryview(r.data.numpy()))
+        os.replace(tmp, self.dir / f"{stem}.safetensors")
+
+        table = index_table(records, f"{stem}.safetensors", keys, data_start)
+        tmp = self.dir / f".{stem}.parquet.tmp"
+        pq.write_table(table, tmp)
+        os.replace(tmp, self.dir / f"{stem}.parquet")
+
+    def close(self) -> None:
+        pass
 
 
 def shard_header(records: Sequence[CapturedRecord], rank: int) -> tuple[bytes, list[str]]:

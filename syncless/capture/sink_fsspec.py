@@ -15,7 +15,13 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from syncless.capture.sink import CapturedRecord, ShardNumbers, index_table, shard_header
+from syncless.capture.sink import (
+    CapturedRecord,
+    ShardFiles,
+    ShardNumbers,
+    index_table,
+    shard_header,
+)
 from syncless.errors import UsageError
 
 __all__ = ["FsspecSink"]
@@ -46,7 +52,7 @@ def _renames_atomically(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-class FsspecSink:
+class FsspecSink(ShardFiles):
     """One safetensors shard plus one Parquet index object per ``write``, at a URL.
 
     The URL is the folder that gets the files, the equivalent of ``<run_dir>/captures``.
@@ -86,15 +92,6 @@ class FsspecSink:
         names = self.fs.glob(f"{self.dir}/rank{self.rank:05d}-*.safetensors")
         stems = (name.rsplit("/", 1)[-1].removesuffix(".safetensors") for name in names)
         return max((int(stem.rsplit("-", 1)[1]) for stem in stems), default=0) + 1
-
-    @property
-    def shards_written(self) -> int:
-        return self._numbers.written
-
-    def write(self, records: Sequence[CapturedRecord]) -> None:
-        if records:
-            with self._numbers.take() as seq:
-                self._write_shard(f"rank{self.rank:05d}-{seq:06d}", records)
 
     def _write_shard(self, stem: str, records: Sequence[CapturedRecord]) -> None:
         header, keys = shard_header(records, self.rank)
