@@ -92,6 +92,9 @@ class DrainWorker:
         self._stats = stats
         self._poll = poll_interval_s
         self._eager = False  # planned windows: every capture wakes the drain to plan
+        # Batching (no windows): captures leave their landing event to the drain
+        # (syncless.capture.ring_copy explains why, and why not in windows).
+        self.defer_landing = True
         self._requests: deque[_Request] = deque()  # served in order, by the drain only
         self._requests_lock = threading.Lock()  # against a request racing the drain's death
         self._planned = planned
@@ -301,6 +304,7 @@ class DrainWorker:
         progressed |= self._serve_requests()
         windowed = self._windowed()
         self._eager = self._planned and windowed
+        self.defer_landing = not windowed
         if not self._requests and len(self._transfers.inflight) < _MAX_INFLIGHT:
             if windowed:
                 progressed |= self._windows.serve()

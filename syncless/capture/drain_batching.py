@@ -129,6 +129,7 @@ class DrainBatching:
         that the next transfer could carry (the newest one's event; releases the GIL),
         so the transfer takes them all at once rather than one per loop. False if
         there is nothing to wait for."""
+        self._transfers.mark_landed()
         limit = self.limit()
         total, last = 0, None
         for i in range(self._transfers.inflight_records, len(self._queue)):
@@ -139,9 +140,9 @@ class DrainBatching:
             if total + size > limit:
                 break
             total += size
-            if rec.state == WRITTEN and rec.event is not None:
+            if rec.state == WRITTEN and rec.landed is not None:
                 last = rec
-        if last is None or last.event.query():
+        if last is None or last.landed.query():
             return self._transfers.wait_oldest_record()  # captured on another stream, maybe
-        last.event.synchronize()
+        last.landed.synchronize()
         return True

@@ -14,7 +14,8 @@ from collections import deque
 
 from syncless.capture.boundary import Timeline
 from syncless.capture.controller import Grant
-from syncless.capture.records import READY, VOID, WRITTEN, Record, RecordQueue
+from syncless.capture.landing import LandingMarks
+from syncless.capture.records import VOID, WRITTEN, Record, RecordQueue
 from syncless.capture.staging_copy import StagingCopier, Transfer
 from syncless.capture.stats import CaptureStats
 from syncless.capture.window_reports import WindowReporter
@@ -48,17 +49,17 @@ class DrainTransfers:
         self._stats = stats
         self.inflight: deque[Transfer] = deque()  # issued, oldest first
         self.inflight_records = 0  # ring records they cover (the oldest in the ring)
+        self._landing = LandingMarks(queue)
 
     # -- records ----------------------------------------------------------------------
 
     def ready(self, rec: Record) -> bool:
-        state = rec.state
-        if state in (READY, VOID):
-            return True
-        if state == WRITTEN and (rec.event is None or rec.event.query()):
-            rec.state = READY
-            return True
-        return False  # still RESERVED: its copy is being enqueued right now
+        return self._landing.ready(rec)
+
+    def mark_landed(self) -> None:
+        """Record the landing events captures left to the drain
+        (:mod:`syncless.capture.landing`); before looking at readiness."""
+        self._landing.mark(self.inflight_records)
 
     def ready_prefix(
         self, limit: int, upto: int | None = None, stop_after: int | None = None
@@ -66,6 +67,7 @@ class DrainTransfers:
         """The oldest ready records whose copies fit in ``limit`` staging bytes, none
         larger than the staging ring; up to sequence number ``upto``, or just enough to
         free ``stop_after`` bytes."""
+        self.mark_landed()
         out: list[Record] = []
         total = freed = 0
         capacity = self._staging.capacity
@@ -85,18 +87,21 @@ class DrainTransfers:
 
     def next_ready(self) -> bool:
         """The oldest record not in flight is ready."""
+        self.mark_landed()
         i = self.inflight_records
         return len(self._queue) > i and self.ready(self._queue.peek(i))
 
     def wait_oldest_record(self) -> bool:
         """Wait for the oldest record not in flight if its copy into the ring has not
         landed yet (its event releases the GIL); False if there is none to wait for."""
+        self.mark_landed()
         i = self.inflight_records
         if len(self._queue) <= i:
             return False
         rec = self._queue.peek(i)
-        if rec.state == WRITTEN and rec.event is not None and not rec.event.query():
-            rec.event.synchronize()
+        landed = rec.landed
+        if rec.state == WRITTEN and landed is not None and not landed.query():
+            landed.synchronize()
             return True
         return False
 
@@ -138,6 +143,7 @@ class DrainTransfers:
         larger than the staging ring. Only when nothing else is in flight (ring order)."""
         if self.inflight or not len(self._queue):
             return False
+        self.mark_landed()
         rec = self._queue.peek(0)
         if rec.span <= self._staging.capacity or not self.ready(rec):
             return False

@@ -272,13 +272,12 @@ class CaptureEngine:
         self._check_capture(tag, tensor, step)
         nbytes = tensor.numel() * tensor.element_size()
         meta_json = None if meta is None else _meta_json(meta)
-        self._stats.add2("offered_count", 1, "offered_bytes", nbytes)
         if self._shortfall.started is None:
             self._shortfall.started = time.monotonic()
         rec = self._reserve(tag, step, tensor, nbytes, meta_json, policy)
         if rec is not None:
             self._copy(rec, tensor)
-        self._stats.add("capture_host_ms", (time.perf_counter_ns() - t0) / 1e6)
+        self._stats.capture(nbytes, rec is not None, (time.perf_counter_ns() - t0) / 1e6)
         return rec is not None
 
     @hot_path
@@ -329,14 +328,14 @@ class CaptureEngine:
     @hot_path
     def _copy(self, rec: Record, tensor: torch.Tensor) -> None:
         try:
-            self._copier.copy(rec, tensor)
+            self._copier.copy(rec, tensor, self._drain.defer_landing)
         except BaseException:
             rec.state = VOID  # its ring space is released in order, its bytes ignored
             self._stats.drop(DropReason.COPY_ERROR, rec.nbytes)
+            self._stats.capture(rec.nbytes, False, 0.0)
             raise
         rec.state = WRITTEN
         self._drain.captured(rec.span)
-        self._stats.add2("captured_count", 1, "captured_bytes", rec.nbytes)
 
     @hot_path
     def _check_capture(self, tag: str, tensor: torch.Tensor, step: int | None) -> None:

@@ -23,8 +23,9 @@ from syncless.hot_path import hot_path
 
 __all__ = ["READY", "RESERVED", "VOID", "WRITTEN", "Record", "RecordQueue"]
 
-# Slot states. RESERVED -> WRITTEN (copy enqueued; on CUDA an event marks when it lands)
-# -> READY (the drain saw the copy complete) -> free. VOID: the copy raised; the bytes are
+# Slot states. RESERVED -> WRITTEN (copy enqueued; on CUDA an event marks when it lands,
+# recorded by the capture or later by the drain: Record.landed) -> READY (the drain saw
+# the copy complete) -> free. VOID: the copy raised; the bytes are
 # garbage and the record was counted as dropped, but its ring space is released in order.
 RESERVED = 1
 WRITTEN = 2
@@ -39,6 +40,8 @@ class Record:
         "dtype",
         "event",
         "handle",
+        "landed",
+        "mark",
         "meta",
         "nbytes",
         "offset",
@@ -47,12 +50,21 @@ class Record:
         "span",
         "state",
         "step",
+        "stream",
         "tag",
     )
 
     def __init__(self, event: Any) -> None:
         self.event = event  # torch.cuda.Event on CUDA, None on CPU (copies land at once)
         self.handle = event.cuda_event if event is not None else 0  # its CUevent
+        # The event whose completion says this record's copy landed: its own ``event``,
+        # recorded by the capture, or, for a copy enqueued without one (``None`` until
+        # then), the newest such copy's event recorded on ``stream`` by the drain
+        # (DrainTransfers.mark_landed). ``mark`` numbers that drain record (-1: the
+        # capture's own), so one completed query covers every record it marks.
+        self.landed: Any = None
+        self.mark = -1
+        self.stream = 0  # the raw CUstream the copy was enqueued on
         self.seq = -1
         self.tag = ""
         self.step: int | None = None

@@ -8,6 +8,14 @@ thread (see :mod:`syncless.cuda_driver`): on the H200 a 4 KiB ``capture()`` cost
 with torch's calls while those threads ran (bench/capture_drain.py, 0a153bf).
 Everything else (strided views, conjugate and negative bits, the CPU, a driver that
 refuses) takes torch's path, which gives the same bytes in row-major order.
+
+``defer``: the driver's copy records no event; the drain records one later on the same
+stream, after the newest such copy (:meth:`DrainTransfers.mark_landed
+<syncless.capture.drain_transfers.DrainTransfers.mark_landed>`). A batching drain waits
+for the newest record it gathered anyway, so that event lands at about the same time
+and the training thread makes one driver call per capture instead of two. The engine
+defers only while the drain batches: in planned windows a late event could also cover
+a collective the host enqueued after the capture, and hold the record past its window.
 """
 
 from __future__ import annotations
@@ -39,24 +47,33 @@ class RingCopier:
             self._stream = current_raw_stream_fn(ring.device.index)
 
     @hot_path
-    def copy(self, rec: Record, tensor: torch.Tensor) -> None:
-        if self._memcpy is not None and self._driver_copy(rec, tensor):
+    def copy(self, rec: Record, tensor: torch.Tensor, defer: bool = False) -> None:
+        """Enqueue the copy; on CUDA set ``rec.landed`` (``None`` when ``defer`` left
+        its event to the drain, see the module docstring)."""
+        if self._memcpy is not None and self._driver_copy(rec, tensor, defer):
             return
         self.view(rec).copy_(tensor.detach())
         if rec.event is not None:
             rec.event.record(torch.cuda.current_stream(self._device))
+            rec.landed, rec.mark = rec.event, -1
 
     @hot_path
-    def _driver_copy(self, rec: Record, tensor: torch.Tensor) -> bool:
-        """The driver's copy and record; False to take torch's path instead (a layout
-        a flat copy would scramble, or a call the driver refused)."""
+    def _driver_copy(self, rec: Record, tensor: torch.Tensor, defer: bool) -> bool:
+        """The driver's copy (and record unless ``defer``); False to take torch's path
+        instead (a layout a flat copy would scramble, or a call the driver refused)."""
         if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
             return False
         stream = self._stream()
         n = rec.nbytes
         if n and self._memcpy(self._ring_ptr + rec.offset, tensor.data_ptr(), n, stream) != 0:
             return False
-        return self._record(rec.handle, stream) == 0
+        if defer:
+            rec.landed, rec.stream, rec.mark = None, stream, -1
+            return True
+        if self._record(rec.handle, stream) != 0:
+            return False
+        rec.landed, rec.mark = rec.event, -1
+        return True
 
     @hot_path
     def view(self, rec: Record) -> torch.Tensor:

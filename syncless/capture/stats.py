@@ -112,6 +112,19 @@ class CaptureStats:
             self._values[name_b] += b
 
     @hot_path
+    def capture(self, nbytes: int, captured: bool, host_ms: float) -> None:
+        """One ``capture()`` call: offered, captured if it was, and its host time, under
+        one lock (the training thread pays for every acquisition)."""
+        values = self._values
+        with self._lock:
+            values["offered_count"] += 1
+            values["offered_bytes"] += nbytes
+            values["capture_host_ms"] += host_ms
+            if captured:
+                values["captured_count"] += 1
+                values["captured_bytes"] += nbytes
+
+    @hot_path
     def drop(self, reason: DropReason, nbytes: int, count: int = 1) -> None:
         key = reason.value
         with self._lock:

@@ -1,0 +1,111 @@
+"""When a record's copy into the device ring has landed: its landing event.
+
+A capture enqueues its copy on the training stream. Either it records its own slot's
+event right after (:mod:`syncless.capture.ring_copy`, planned windows), or it leaves
+``Record.landed`` empty and the drain records one event per stream later, after the
+newest such copy (:meth:`LandingMarks.mark`): a stream reaches that event only after
+every copy enqueued on it before, so one event covers them all. That saves the
+training thread a driver call per capture; the batching drain waits for the newest
+record it gathered anyway, so the event lands at about the same time.
+
+Used by the drain's thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from syncless.capture.records import READY, RESERVED, VOID, WRITTEN, Record, RecordQueue
+from syncless.cuda_driver import driver
+from syncless.guard import allow_sync
+
+__all__ = ["LandingMarks"]
+
+
+class LandingMarks:
+    """Landing events the drain records for deferred copies, and readiness queries.
+
+    Args:
+        queue: the engine's records.
+        record: ``record(cuevent, custream) -> status`` (default: the CUDA driver's
+            ``cuEventRecord``, looked up at the first deferred record).
+        wait_device: waits for every stream, where the driver refused ``record``
+            (default ``torch.cuda.synchronize``).
+    """
+
+    def __init__(
+        self,
+        queue: RecordQueue,
+        record: Callable[[int, int], int] | None = None,
+        wait_device: Callable[[], None] | None = None,
+    ) -> None:
+        self._queue = queue
+        self._record = record
+        self._wait_device = wait_device or torch.cuda.synchronize
+        self._marked_seq = -1  # every record up to this one has its landing event
+        self._marks = 0  # landing events recorded by the drain so far (Record.mark)
+        self._done: dict[int, int] = {}  # per stream, the newest mark seen complete
+
+    def ready(self, rec: Record) -> bool:
+        """Has ``rec``'s copy landed? Sets it READY when it has."""
+        state = rec.state
+        if state in (READY, VOID):
+            return True
+        if state != WRITTEN:
+            return False  # still RESERVED: its copy is being enqueued right now
+        mark = rec.mark
+        if rec.event is None or (mark >= 0 and mark <= self._done.get(rec.stream, -1)):
+            rec.state = READY  # a CPU copy, or one a mark already seen complete covers
+            return True
+        landed = rec.landed
+        if landed is None or not landed.query():
+            return False  # deferred and not marked yet, or not landed
+        if mark >= 0:
+            self._done[rec.stream] = mark  # one stream's marks complete in order
+        rec.state = READY
+        return True
+
+    def mark(self, start: int) -> None:
+        """Record the landing events of deferred copies from the ``start``-th oldest
+        record on: per stream, one event after the newest. Cheap when nothing new was
+        captured since the last call."""
+        queue = self._queue
+        n = len(queue)
+        if n == 0:
+            return
+        start = max(start, self._marked_seq + 1 - queue.peek(0).seq)
+        newest: dict[int, Record] = {}
+        pending: list[Record] = []
+        for i in range(start, n):
+            rec = queue.peek(i)
+            if rec.state == RESERVED:
+                break  # its copy is being enqueued right now: the next call marks it
+            if rec.state == WRITTEN and rec.landed is None and rec.event is not None:
+                newest[rec.stream] = rec
+                pending.append(rec)
+            self._marked_seq = rec.seq
+        if not pending:
+            return
+        if self._record is None:
+            self._record = driver().record_fn()
+        marks: dict[int, int] = {}
+        for stream, rec in newest.items():
+            if self._record(rec.handle, stream) == 0:
+                self._marks += 1
+                marks[stream] = self._marks
+        for rec in pending:
+            mark = marks.get(rec.stream)
+            if mark is not None:
+                rec.landed, rec.mark = newest[rec.stream].event, mark
+        if len(marks) < len(newest):
+            self._land_by_sync([r for r in pending if r.stream not in marks])
+
+    def _land_by_sync(self, records: list[Record]) -> None:
+        """The driver refused an event on their stream (one destroyed since the
+        capture?): wait for the whole device, on the drain's thread, instead."""
+        with allow_sync("capture drain: the driver refused a landing event; waiting on the device"):
+            self._wait_device()
+        for rec in records:
+            rec.state = READY
