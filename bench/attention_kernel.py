@@ -49,16 +49,22 @@ SHAPES = [
 ]
 SWEEP = [
     attention.QKConfig(128, 32, 8, 3),  # the kernel's config before this benchmark
-    attention.QKConfig(128, 64, 8, 3),
+    attention.QKConfig(128, 32, 8, 2),
     attention.QKConfig(128, 64, 8, 2),
+    attention.QKConfig(128, 64, 8, 3),
+    attention.QKConfig(128, 64, 8, 4),
     attention.QKConfig(128, 128, 8, 2),
     attention.QKConfig(128, 128, 8, 3),
     attention.QKConfig(128, 64, 4, 3),
+    attention.QKConfig(64, 64, 4, 2),
     attention.QKConfig(64, 64, 4, 3),
+    attention.QKConfig(64, 64, 4, 4),
+    attention.QKConfig(64, 128, 4, 2),
     attention.QKConfig(64, 128, 4, 3),
     attention.QKConfig(64, 64, 8, 3),
+    attention.QKConfig(64, 32, 4, 2),
     attention.QKConfig(64, 32, 4, 3),
-    attention.QKConfig(128, 32, 8, 2),
+    attention.QKConfig(64, 32, 4, 4),
 ]
 
 
@@ -192,22 +198,36 @@ def time_shape(shape, cfg, rates) -> dict:
     }  # fmt: skip
 
 
-def sweep(rates) -> dict[int, attention.QKConfig]:
-    best = {}
-    for d in sorted({s[5] for s in SHAPES}):
-        shape = next(s for s in SHAPES if s[5] == d and s[6] is None)
-        times = {}
+def sweep(rates, names: list[str]) -> dict[int, attention.QKConfig]:
+    """Time every config of ``SWEEP`` on the named shapes (default: the first causal
+    shape of each head_dim); per head_dim, pick the config with the smallest mean of
+    time over that shape's best time, so one slow shape cannot hide behind a fast one."""
+    if not names:
+        names = [next(s for s in SHAPES if s[5] == d and s[6] is None)[0]
+                 for d in sorted({s[5] for s in SHAPES})]  # fmt: skip
+    ratios: dict[int, dict[attention.QKConfig, list[float]]] = {}
+    for shape in (s for s in SHAPES if s[0] in names):
+        d, times = shape[5], {}
         for cfg in SWEEP:
             if d == 256 and cfg.block_m * cfg.block_n > 128 * 64:
                 continue  # the q and k tiles of head_dim 256 would spill
             try:
                 times[cfg] = time_shape(shape, cfg, rates)["stats_ms"]
             except Exception as e:  # out of shared memory or registers for this tile
-                print(f"  d {d} {cfg}: {type(e).__name__}")
+                print(f"  {shape[0]} {cfg}: {type(e).__name__}")
                 continue
-            print(f"  d {d} {shape[0]} {cfg}: {times[cfg]:.3f} ms")
-        best[d] = min(times, key=times.get)
-    return best
+            print(f"  {shape[0]} (d {d}) {cfg}: {times[cfg]:.3f} ms")
+        best = min(times.values())
+        print(f"  {shape[0]}: best {min(times, key=times.get)} {best:.3f} ms")
+        for cfg, ms in times.items():
+            ratios.setdefault(d, {}).setdefault(cfg, []).append(ms / best)
+    return {
+        d: min(
+            (c for c in per if len(per[c]) == max(map(len, per.values()))),
+            key=lambda c: sum(per[c]) / len(per[c]),
+        )
+        for d, per in ratios.items()
+    }
 
 
 def missed(x_floor: float, target: float = 2.0) -> str:
@@ -220,12 +240,17 @@ def missed(x_floor: float, target: float = 2.0) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="pick the config per head_dim")
+    parser.add_argument(
+        "--sweep-shapes",
+        default="",
+        help="comma list of shapes the sweep times (default one per head_dim)",
+    )
     parser.add_argument("--shapes", default="", help="comma list of shape names (default all)")
     parser.add_argument("--json", default=os.environ.get("OUT", ".") + "/attention_kernel.json")
     args = parser.parse_args()
     rates = {"matmul": matmul_rate(), "exp2": exp2_rate()}
     print(f"bf16 matmul {rates['matmul'] / 1e12:.0f} TFLOP/s; exp2 {rates['exp2'] / 1e12:.2f} T/s")
-    chosen = sweep(rates) if args.sweep else {}
+    chosen = sweep(rates, list(filter(None, args.sweep_shapes.split(",")))) if args.sweep else {}
     names = set(filter(None, args.shapes.split(","))) or {s[0] for s in SHAPES}
     rows = []
     for shape in (s for s in SHAPES if s[0] in names):
