@@ -13,39 +13,13 @@ grants. The engine drives it with five calls::
     ctl.flush(FlushKind.CAPACITY, occurrence)    # the engine drained outside a window
     ctl.suspend() / ctl.resume()                 # around phases without windows
 
-Evidence per window position
-    A (``safe_bytes``): the largest transfer proven to finish before the CLOSE.
-    B (``unsafe_bytes``): the smallest transfer proven to finish at or after it.
-    E (``estimate_bytes``): bytes the window could carry by timing, from the latest
-    ``estimate_history`` clean transfers that reported device timings: the
-    ``estimate_quantile`` (default 10%) of their ``nbytes / transfer_s * window_s``
-    (measured bandwidth times window duration), times ``estimate_margin`` (the issue
-    latency and bandwidth jitter the measurement does not see). A low quantile, not the
-    latest value: a window whose length varies is budgeted for its short occurrences
-    (in the simulator, 40-50% fewer overruns at 30% jitter than with the latest alone).
-
-Budget (the bytes a window may carry next)
-    * no evidence: everything transferable (up to the staging bytes);
-    * only B: B / 2;
-    * A and B: their midpoint, until the bracket is narrow (``B - A <= converged_fraction
-      * B``); then A, because the few bytes left are not worth an overrun per occurrence;
-    * only A: A, or E when it is larger (E is how a window learns it can carry more than
-      it has been offered so far).
-    The budget never exceeds the staging bytes, nor (``short_occurrence_cap``, on by
-    default), once the engine passes window durations (``window_s``) and a clean
-    transfer has measured the D2H bandwidth, what the window's short occurrences can
-    carry: the ``estimate_quantile`` of the durations of its latest ``estimate_history``
-    occurrences times the recent bandwidth (median) times ``estimate_margin``
-    (``short_occurrences``). Why: A is what the window's *long* occurrences proved; on
-    the H200s' host-bound expert-parallel step a window's length varies from one step
-    to the next (one that had carried 32 MiB, a 0.61 ms copy, lasted 0.37-0.49 ms in
-    three later steps at 9b1b4da), so a budget of A overran in the short ones, over and
-    over, each overrun a capacity shift that A and E relearnt from the long ones. Every
-    occurrence's duration is evidence here, not only those that carried a transfer. On
-    a window of fixed length the cap is E's margin below its capacity, reached after
-    one clean transfer instead of a bisection: the rules above, bisection included, are
-    what the controller does without timings (``short_occurrence_cap=False`` runs them
-    alone).
+Here: those calls, what a grant is made of, and which completions and flushes count.
+Elsewhere, one concept per module: ``controller_types`` (the values exchanged with the
+engine: ``Grant``, ``GrantReason``, ``Outcome``, ``FlushKind``, ``WindowEvidence``),
+``controller_config`` (``ControllerConfig``, the knobs), ``controller_learning`` (the
+evidence per window position, A, B and E, the budget it yields, and learning from clean
+transfers) and ``controller_fallback`` (when capacity flushes end the windows). The
+types and the config are importable from here too.
 
 Grant (what the engine copies)
     The largest prefix of the ready records whose total is at most the budget: records
@@ -60,36 +34,30 @@ Grant (what the engine copies)
     can only overrun, and backoff alone still probes it at occurrences 2, 4, 7, 12, 21,
     38, ...; the expert-parallel demo has dozens of such windows per step (the expert
     compute between a dispatch and its combine against a 32 MiB hidden state).
-
-Learning, from clean transfers only
-    Completion before the CLOSE raises A; at or after it lowers B; an overrun at or below
-    A means the window shrank (a capacity shift): A and E are dropped (E is re-measured
-    from this transfer if it carries timings) and B is set there, so the next budget
-    halves from it. A transfer issued late after a drain stall, or whose
-    CLOSE was observed late, is no evidence either way: it leaves A, B and E untouched.
-    B expires ``unsafe_expiry`` occurrences after it was set, so one bad occurrence does
-    not cap a window forever. Completions of grants from an older pattern version or
-    from before a suspend() or resume(), and completions reported while suspended,
-    never update learning.
-
-Fallback
-    A capacity flush is the engine draining outside the windows because its ring filled
-    up. ``fallback_flushes`` of them within ``fallback_interval`` occurrences (while
-    windows are active) mean the windows cannot carry the capture volume: the controller
-    falls back to ordinary batching for good (``fallback`` and ``fallback_reason``).
-    Isolated ones age out; lifecycle flushes (close) and oversized-record flushes never
-    count, and neither does anything while suspended.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from enum import Enum
 
+from syncless.capture.controller_config import ControllerConfig
+from syncless.capture.controller_fallback import CapacityFlushes
+from syncless.capture.controller_learning import (
+    WindowState,
+    forget_expired_unsafe,
+    learn_from_transfer,
+    median_bandwidth,
+    note_duration,
+    window_budget,
+)
+from syncless.capture.controller_types import (
+    FlushKind,
+    Grant,
+    GrantReason,
+    Outcome,
+    WindowEvidence,
+)
 from syncless.capture.windows import PatternVersions, WindowPattern
 
 __all__ = [
@@ -101,169 +69,6 @@ __all__ = [
     "Outcome",
     "WindowEvidence",
 ]
-
-
-class GrantReason(str, Enum):
-    """Why a grant is what it is."""
-
-    NO_EVIDENCE = "no_evidence"  # neither A nor B: everything transferable
-    HALVE = "halve"  # only B: B / 2
-    MIDPOINT = "midpoint"  # A < B, bracket still wide
-    CONVERGED = "converged"  # A < B, bracket narrow: A
-    SAFE = "safe"  # only A, E not larger: A
-    ESTIMATE = "estimate"  # only A, E larger: E
-    SHORT_OCCURRENCES = "short_occurrences"  # the evidence's budget, capped by timing
-    # for the window's short recent occurrences (see the module docstring)
-    PROBE = "probe"  # the first record exceeds the budget: it goes alone
-    COOLDOWN = "cooldown"  # the first record exceeds the budget, probes backing off
-    TOO_SHORT = "too_short"  # the first record exceeds the budget and the window's last
-    # duration at the recent bandwidth: no probe
-    OVERSIZED = "oversized"  # the first record exceeds the staging bytes: flush it
-    NOTHING_READY = "nothing_ready"
-    SUSPENDED = "suspended"  # no windows now: everything transferable
-    FALLBACK = "fallback"  # windows abandoned: everything transferable
-
-
-class Outcome(str, Enum):
-    """What the controller made of a completion."""
-
-    SAFE = "safe"  # before the CLOSE: A rose (or already covered it)
-    UNSAFE = "unsafe"  # at or after the CLOSE: B fell (or already covered it)
-    CAPACITY_SHIFT = "capacity_shift"  # at or after the CLOSE at or below A
-    STALE_VERSION = "stale_version"  # granted under an older pattern version
-    SUSPENDED = "suspended"  # reported while suspended
-    INTERRUPTED = "interrupted"  # granted before a suspend() or resume()
-    FALLBACK = "fallback"  # the controller has fallen back
-    ISSUED_LATE = "issued_late"  # issued late after a drain stall: no evidence
-    CLOSE_LATE = "close_late"  # the CLOSE was observed late: no evidence
-
-    @property
-    def is_evidence(self) -> bool:
-        return self in (Outcome.SAFE, Outcome.UNSAFE, Outcome.CAPACITY_SHIFT)
-
-
-class FlushKind(str, Enum):
-    """Why the engine drained outside a window."""
-
-    CAPACITY = "capacity"  # the ring filled up: counts towards fallback
-    LIFECYCLE = "lifecycle"  # close() or an explicit flush: never counts
-    OVERSIZED = "oversized"  # a record larger than the staging bytes: never counts
-
-
-@dataclass(frozen=True)
-class ControllerConfig:
-    """Tuning knobs; every interval is in occurrences of the pattern."""
-
-    #: B is forgotten this many occurrences after it was set.
-    unsafe_expiry: int = 64
-    #: Stop bisecting once ``B - A <= converged_fraction * B`` and grant A.
-    converged_fraction: float = 0.25
-    #: E = measured bandwidth * window duration * estimate_margin.
-    estimate_margin: float = 0.9
-    #: E is a low quantile of the capacities measured in this many latest clean
-    #: occurrences (1: the latest alone) ...
-    estimate_history: int = 16
-    #: ... this quantile: windows whose length varies from one occurrence to the next
-    #: are budgeted for their short occurrences, not for whichever came last.
-    estimate_quantile: float = 0.1
-    #: The bandwidth that rules probes out is the median of this many latest clean
-    #: transfers (any window).
-    bandwidth_history: int = 16
-    #: Cap every budget at what the window's short recent occurrences carry by timing
-    #: (module docstring); False: the evidence rules alone.
-    short_occurrence_cap: bool = True
-    #: Longest cooldown (occurrences skipped) after repeated failed probes.
-    probe_cooldown_max: int = 64
-    #: This many capacity flushes ...
-    fallback_flushes: int = 3
-    #: ... within this many occurrences trigger the fallback to ordinary batching.
-    fallback_interval: int = 16
-
-    def __post_init__(self) -> None:
-        for name in (
-            "unsafe_expiry",
-            "estimate_history",
-            "bandwidth_history",
-            "probe_cooldown_max",
-            "fallback_flushes",
-            "fallback_interval",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ControllerConfig.{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.short_occurrence_cap, bool):
-            raise ValueError(
-                f"ControllerConfig.short_occurrence_cap must be True or False, got "
-                f"{self.short_occurrence_cap!r}"
-            )
-        fraction, margin = self.converged_fraction, self.estimate_margin
-        if not (_is_real(fraction) and 0.0 <= fraction < 1.0):
-            raise ValueError(
-                f"ControllerConfig.converged_fraction must be in [0, 1), got {fraction!r}; "
-                f"0 bisects down to a single byte, 0.25 stops within 25% of the capacity"
-            )
-        if not (_is_real(margin) and 0.0 < margin <= 1.0):
-            raise ValueError(f"ControllerConfig.estimate_margin must be in (0, 1], got {margin!r}")
-        quantile = self.estimate_quantile
-        if not (_is_real(quantile) and 0.0 <= quantile <= 1.0):
-            raise ValueError(
-                f"ControllerConfig.estimate_quantile must be in [0, 1], got {quantile!r}; "
-                f"0 budgets for the shortest recent window, 1 for the longest"
-            )
-
-
-@dataclass(frozen=True)
-class Grant:
-    """The answer to a window OPEN: copy the first ``records`` ready records."""
-
-    version: int
-    occurrence: int
-    position: int
-    #: The bytes the controller allows in this window (never more than staging).
-    budget: int
-    #: How many of the ready records, from the front, to copy; 0 means copy nothing.
-    records: int
-    #: Their total size: what the engine copies.
-    nbytes: int
-    #: The first record alone exceeded the budget and is sent anyway.
-    probe: bool
-    reason: GrantReason
-    #: Bumped by suspend() and resume(): a grant that straddles one is no evidence.
-    epoch: int
-
-
-@dataclass(frozen=True)
-class WindowEvidence:
-    """A snapshot of what the controller knows about one window position."""
-
-    safe_bytes: int | None
-    unsafe_bytes: int | None
-    #: The first occurrence at which ``unsafe_bytes`` is forgotten; None without B.
-    unsafe_expires_at: int | None
-    estimate_bytes: int | None
-    failed_probes: int
-    #: The first occurrence at which a probe may be granted again.
-    probe_allowed_from: int
-
-
-@dataclass
-class _Window:
-    """Mutable per-position state; see the module docstring for A, B and E."""
-
-    safe: int | None = None
-    unsafe: int | None = None
-    unsafe_at: int = 0
-    estimate: int | None = None
-    #: Capacities (bytes, before the margin) measured in the latest clean occurrences.
-    capacities: deque[float] = field(default_factory=deque)
-    #: Durations (s) of its latest occurrences, as the engine passed them to grant().
-    durations: deque[float] = field(default_factory=deque)
-    failed_probes: int = 0
-    probe_allowed_from: int = 0
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _nonneg_int(value: object, what: str) -> int:
@@ -288,11 +93,11 @@ class GrantController:
         self._staging = staging_bytes
         self._config = config if config is not None else ControllerConfig()
         self._versions = PatternVersions()
-        self._windows: list[_Window] = []
+        self._windows: list[WindowState] = []
         self._now = 0  # latest occurrence seen: the controller's only clock
         self._suspended = False
         self._epoch = 0
-        self._capacity_flushes: deque[int] = deque()
+        self._capacity_flushes = CapacityFlushes(self._config)
         self._fallback_reason: str | None = None
         self._counts: Counter[str] = Counter()
         self._bandwidths: deque[float] = deque()  # bytes/s of the latest clean transfers
@@ -362,7 +167,7 @@ class GrantController:
         before = self._versions.version
         version = self._versions.define(pattern)
         if version != before:
-            self._windows = [_Window() for _ in range(len(pattern))]
+            self._windows = [WindowState() for _ in range(len(pattern))]
             self._capacity_flushes.clear()
             self._now = 0
         return version
@@ -387,10 +192,7 @@ class GrantController:
         w = self._window(position)
         self._advance(_nonneg_int(occurrence, "occurrence"))
         if window_s is not None:
-            _check_duration(window_s)
-            w.durations.append(window_s)
-            if len(w.durations) > self._config.estimate_history:
-                w.durations.popleft()
+            note_duration(w, window_s, self._config)
         if self._fallback_reason is not None or self._suspended:
             reason = GrantReason.FALLBACK if self._fallback_reason else GrantReason.SUSPENDED
             return self._make(position, occurrence, self._staging, ready, reason)
@@ -416,11 +218,7 @@ class GrantController:
         """Would ``nbytes`` at the recent bandwidth outlast a window of ``window_s``?"""
         if window_s is None or not self._bandwidths:
             return False
-        return window_s * self._bandwidth() < nbytes
-
-    def _bandwidth(self) -> float:
-        """Bytes/s of the recent clean transfers (their median); callers check any."""
-        return statistics.median(self._bandwidths)
+        return window_s * median_bandwidth(self._bandwidths) < nbytes
 
     def complete(
         self,
@@ -468,18 +266,9 @@ class GrantController:
             # Not a verdict on the windows: none were in use.
             self._counts["flush/capacity_not_counted"] += 1
             return self.fallback
-        cfg = self._config
-        flushes = self._capacity_flushes
-        flushes.append(occurrence)
-        while flushes and self._now - flushes[0] >= cfg.fallback_interval:
-            flushes.popleft()  # isolated flushes age out
-        if len(flushes) >= cfg.fallback_flushes:
-            self._fallback_reason = (
-                f"{len(flushes)} capacity flushes within {cfg.fallback_interval} "
-                f"occurrences (at occurrences {', '.join(map(str, flushes))}): the windows "
-                f"cannot carry the capture volume, so the engine drains by ordinary "
-                f"batching from now on"
-            )
+        reason = self._capacity_flushes.add(occurrence, self._now)
+        if reason is not None:
+            self._fallback_reason = reason
         return self.fallback
 
     def suspend(self) -> None:
@@ -500,7 +289,7 @@ class GrantController:
 
     # -- internals -----------------------------------------------------------------
 
-    def _window(self, position: int) -> _Window:
+    def _window(self, position: int) -> WindowState:
         if self.pattern is None:
             raise RuntimeError(
                 "the controller has no window pattern; call "
@@ -522,39 +311,10 @@ class GrantController:
         if occurrence <= self._now:
             return
         self._now = occurrence
-        expiry = self._config.unsafe_expiry
-        for w in self._windows:
-            if w.unsafe is not None and occurrence - w.unsafe_at >= expiry:
-                w.unsafe = None
+        forget_expired_unsafe(self._windows, occurrence, self._config)
 
-    def _budget(self, w: _Window) -> tuple[int, GrantReason]:
-        a, b, e = w.safe, w.unsafe, w.estimate
-        if a is None and b is None:
-            budget, reason = self._staging, GrantReason.NO_EVIDENCE
-        elif a is None:
-            budget, reason = b // 2, GrantReason.HALVE
-        elif b is None:
-            if e is not None and e > a:
-                budget, reason = e, GrantReason.ESTIMATE
-            else:
-                budget, reason = a, GrantReason.SAFE
-        elif b - a <= self._config.converged_fraction * b:
-            budget, reason = a, GrantReason.CONVERGED
-        else:
-            budget, reason = (a + b) // 2, GrantReason.MIDPOINT
-        budget = min(budget, self._staging)
-        cap = self._short_occurrences_cap(w)
-        if cap is not None and cap < budget:
-            return cap, GrantReason.SHORT_OCCURRENCES
-        return budget, reason
-
-    def _short_occurrences_cap(self, w: _Window) -> int | None:
-        """What the window's short recent occurrences can carry (module docstring)."""
-        if not (self._config.short_occurrence_cap and w.durations and self._bandwidths):
-            return None
-        config = self._config
-        short = _low_quantile(w.durations, config.estimate_quantile)
-        return round(short * self._bandwidth() * config.estimate_margin)
+    def _budget(self, w: WindowState) -> tuple[int, GrantReason]:
+        return window_budget(w, self._staging, self._config, self._bandwidths)
 
     def _make(
         self,
@@ -623,84 +383,15 @@ class GrantController:
         if close_late:
             return Outcome.CLOSE_LATE
 
-        w = self._window(grant.position)
-        x = grant.nbytes
-        if x == 0:
-            # Empty records only: an empty copy proves nothing about the window.
-            return Outcome.SAFE if before_close else Outcome.UNSAFE
-        if before_close:
-            if w.safe is None or x > w.safe:
-                w.safe = x
-            if w.unsafe is not None and x >= w.unsafe:
-                w.unsafe = None  # contradicted: the window grew, or B was noise
-            if grant.probe:
-                w.failed_probes = 0
-                w.probe_allowed_from = 0
-            self._estimate(w, x, transfer_s, window_s)
-            return Outcome.SAFE
-
-        if w.safe is not None and x <= w.safe:
-            # It carried this much before and no longer does: the window shrank. What
-            # was safe is stale, and so is a timing estimate from before the shift.
-            w.safe = None
-            w.estimate = None
-            w.capacities.clear()
-            w.unsafe, w.unsafe_at = x, grant.occurrence
-            outcome = Outcome.CAPACITY_SHIFT
-        else:
-            if w.unsafe is None or x <= w.unsafe:
-                w.unsafe, w.unsafe_at = x, grant.occurrence
-            outcome = Outcome.UNSAFE
-        if grant.probe:
-            w.failed_probes += 1
-            skip = min(2 ** (w.failed_probes - 1), self._config.probe_cooldown_max)
-            w.probe_allowed_from = grant.occurrence + 1 + skip
-        self._estimate(w, x, transfer_s, window_s)
-        return outcome
-
-    def _estimate(
-        self, w: _Window, nbytes: int, transfer_s: float | None, window_s: float | None
-    ) -> None:
-        """E from the latest clean transfers: a low quantile of their capacities.
-
-        One long window must not raise the budget of the short ones that follow: with
-        the latest transfer alone, a window whose length varies overran whenever a long
-        occurrence came before a short one. A capacity shift clears the history (it is
-        stale), so E still tracks a change from the next clean transfer on."""
-        if transfer_s is None or window_s is None:
-            return
-        if not (math.isfinite(transfer_s) and math.isfinite(window_s)):
-            raise ValueError(
-                f"transfer_s and window_s must be finite, got {transfer_s!r}, {window_s!r}"
-            )
-        if transfer_s < 0 or window_s < 0:
-            raise ValueError(
-                f"transfer_s and window_s must be >= 0, got {transfer_s!r}, {window_s!r}"
-            )
-        if transfer_s == 0 or nbytes == 0:
-            return  # no bandwidth to measure
-        config = self._config
-        self._bandwidths.append(nbytes / transfer_s)
-        while len(self._bandwidths) > config.bandwidth_history:
-            self._bandwidths.popleft()
-        w.capacities.append(nbytes / transfer_s * window_s)
-        while len(w.capacities) > config.estimate_history:
-            w.capacities.popleft()
-        low = _low_quantile(w.capacities, config.estimate_quantile)
-        # Rounded, not floored: 9e6 computed in floats must not come out as 8999999.
-        w.estimate = round(low * config.estimate_margin)
-
-
-def _low_quantile(values: Iterable[float], quantile: float) -> float:
-    """The ``quantile`` of ``values`` (non-empty), a lower order statistic, no
-    interpolation: the value of one real occurrence."""
-    ordered = sorted(values)
-    return ordered[math.floor(quantile * (len(ordered) - 1))]
-
-
-def _check_duration(window_s: object) -> None:
-    if not (_is_real(window_s) and math.isfinite(window_s) and window_s >= 0):  # type: ignore[arg-type]
-        raise ValueError(f"window_s must be a finite number >= 0, got {window_s!r}")
+        return learn_from_transfer(
+            self._window(grant.position),
+            grant,
+            before_close,
+            transfer_s,
+            window_s,
+            self._config,
+            self._bandwidths,
+        )
 
 
 def _chain(first: int, rest: Iterable[int]) -> Iterable[int]:
