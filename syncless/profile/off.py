@@ -11,7 +11,7 @@ from syncless.hot_path import hot_path
 from syncless.profile.wrappers import CollectiveWrappers
 
 if TYPE_CHECKING:
-    from syncless.profile.profiler import ModuleHandle
+    from syncless.profile.module_hooks import ModuleHandle
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -6,79 +6,40 @@ waits for the device (except in the opt-in ``collectives``/``sync`` modes) and n
 crosses ranks except the 1-element rendezvous all_reduce the caller asked for.
 Cold path: ``end_step`` turns the *previous* step's tokens into times; ``report``
 gathers one summary object per rank and builds the table and the step records.
+
+The class is put together from parts, one module each: span recording (sections,
+collectives, misuse: :mod:`syncless.profile.spans`), module forwards
+(:mod:`syncless.profile.module_hooks`) and the collective wrappers
+(:mod:`syncless.profile.wrappers`). This module holds setup, steps and reports.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
-import warnings
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from torch import nn
 
-from syncless.hot_path import hot_path
-from syncless.profile import names as _names
 from syncless.profile import report as _report
 from syncless.profile import summary as _summary
 from syncless.profile.calibrate import Calibration, calibrate
+from syncless.profile.module_hooks import ModuleHandle, ModuleHooks
+from syncless.profile.spans import ProfileMisuse, SpanRecorder, _Span
 from syncless.profile.table import DISTORTION, render
 from syncless.profile.timers import make_timer
 from syncless.profile.wrappers import CollectiveWrappers
 from syncless.run.console import print_wide
 
+# ModuleHandle and ProfileMisuse are defined next door; importable from here too.
+__all__ = ["MODES", "ModuleHandle", "ProfileMisuse", "Profiler"]
+
 MODES = ("off", "events", "collectives", "sync")
-F = TypeVar("F", bound=Callable[..., Any])
 
 
-class ProfileMisuse(RuntimeError):
-    """Raised for in-step misuse only with ``strict=True``; otherwise it is counted."""
-
-
-class _Span:
-    """The context manager ``Profiler.section`` returns (one small object per call)."""
-
-    __slots__ = ("_bytes", "_prof", "_sid", "_token")
-
-    def __init__(self, prof: Profiler, sid: int, nbytes: int) -> None:
-        self._prof = prof
-        self._sid = sid
-        self._bytes = nbytes
-        self._token: Any = None
-
-    @hot_path
-    def __enter__(self) -> _Span:
-        self._prof._open(self)
-        return self
-
-    @hot_path
-    def __exit__(self, *exc: object) -> None:
-        self._prof._close(self)
-
-
-class ModuleHandle:
-    """What ``Profiler.hook_module`` returns: ``remove()`` puts the module's forward
-    back, unless something wrapped it again since (then that wrapper keeps ours)."""
-
-    def __init__(self, module: nn.Module, wrapper: Callable[..., Any], previous: Any) -> None:
-        self._module, self._wrapper, self._previous = module, wrapper, previous
-
-    def remove(self) -> None:
-        module = self._module
-        if module.__dict__.get("forward") is not self._wrapper:
-            return  # removed already, or wrapped again since
-        if self._previous is None:
-            del module.forward  # the class's forward again
-        else:
-            module.forward = self._previous  # type: ignore[method-assign]
-
-
-class Profiler(CollectiveWrappers):
+class Profiler(SpanRecorder, ModuleHooks, CollectiveWrappers):
     """Section profiler for training steps. ``Profiler(mode="off")`` is the shared no-op.
 
     Args:
@@ -198,68 +159,6 @@ class Profiler(CollectiveWrappers):
         self.calibration = calibrate(self.cuda, self.group, self._rdv)
         return self.calibration
 
-    def _intern(self, name: str, kind: str, category: str, parent: str | None) -> int:
-        sid = len(self._meta)
-        self._meta.append(_summary.SectionTotals(name, category, kind, parent))
-        self._calls.append(0)
-        self._bytes.append(0)
-        self._host_ns.append(0)
-        self._time_ns.append(0.0)
-        self._seen.append(False)
-        return sid
-
-    def _parent(self) -> str | None:
-        return self._meta[self._stack[-1]._sid].name if self._stack else None
-
-    def _section_id(self, name: str, category: str) -> int:
-        key = (name, category)
-        sid = self._ids.get(key)
-        if sid is None:
-            if category not in _names.CATEGORIES:
-                self._misused(
-                    "category",
-                    f"unknown section category {category!r} for {name!r}; expected one of "
-                    f"{_names.CATEGORIES} (recorded as 'compute')",
-                )
-                category = "compute"
-            clean = _names.sanitize(name)
-            sid = next(
-                (i for i, m in enumerate(self._meta) if m.name == clean and m.kind == "section"),
-                None,
-            )
-            if sid is None:
-                sid = self._intern(clean, "section", category, self._parent())
-            self._ids[key] = sid
-            self._by_name.setdefault(name, sid)
-        return sid
-
-    def _collective_ids(self, name: str) -> tuple[int, int, int, int]:
-        ids = self._coll.get(name)
-        if ids is None:
-            clean = _names.sanitize(name)
-            cid = self._intern(clean, "collective", "collective", self._parent())
-            parts = tuple(
-                self._intern(f"{clean}/{p}", "part", "collective", clean)
-                for p in _names.COLLECTIVE_PARTS
-            )
-            ids = self._coll[name] = (cid, *parts)  # type: ignore[assignment]
-        return ids  # type: ignore[return-value]
-
-    # -- misuse ---------------------------------------------------------------------
-
-    def _misused(self, key: str, message: str) -> None:
-        self._misuse += 1
-        if self.strict:
-            raise ProfileMisuse(message)
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(
-                f"syncless.profile: {message} (counted in profile/self/misuse_count; "
-                "further cases are counted, not warned)",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-
     # -- steps ----------------------------------------------------------------------
 
     def begin_step(self, step: int | None = None) -> None:
@@ -315,226 +214,6 @@ class Profiler(CollectiveWrappers):
             for sid, a, b in spans:
                 self._time_ns[sid] += timer.elapsed_ns(a, b)
         self._pending.clear()
-
-    # -- sections (hot) ---------------------------------------------------------------
-
-    @hot_path
-    def section(self, name: str, category: str = "compute", bytes: int = 0) -> _Span:
-        """A span: ``with prof.section("attn"):``. ``bytes`` per call gives GB/s.
-
-        Nesting is allowed; the same name under two parents shares one row.
-        """
-        return _Span(self, self._section_id(name, category), bytes)
-
-    def section_fn(self, name: str | None = None, category: str = "compute") -> Callable[[F], F]:
-        """Decorator: run the function inside ``section(name or fn.__name__)``."""
-
-        def wrap(fn: F) -> F:
-            label = name or fn.__name__
-
-            @functools.wraps(fn)
-            def inner(*args: Any, **kwargs: Any) -> Any:
-                with self.section(label, category):
-                    return fn(*args, **kwargs)
-
-            return inner  # type: ignore[return-value]
-
-        return wrap
-
-    @hot_path
-    def begin_section(self, name: str, category: str = "compute", bytes: int = 0) -> None:
-        """Open a section without a ``with`` block; close it with ``end_section(name)``."""
-        self._open(_Span(self, self._section_id(name, category), bytes))
-
-    @hot_path
-    def end_section(self, name: str) -> None:
-        """Close the innermost open section called ``name``."""
-        if self._in_step:  # else its begin was counted already (outside a step)
-            self._close_innermost(
-                self._by_name.get(name, -1),
-                f"end_section({name!r}): section {name!r} is not open",
-            )
-
-    def _close_innermost(self, sid: int, not_open: str) -> None:
-        """Close the innermost open span of section ``sid`` (misuse if there is none)."""
-        for span in reversed(self._stack):
-            if span._sid == sid:
-                self._close(span)
-                return
-        self._misused("not-open", not_open)
-
-    def hook_module(
-        self, module: nn.Module, name: str, category: str = "compute", bytes: int = 0
-    ) -> list[ModuleHandle]:
-        """Time every forward of ``module`` as section ``name``: its ``forward`` is
-        wrapped in one frame that opens the section, runs it and closes the section
-        (also when it raises). Returns a handle; ``remove()`` puts ``forward`` back.
-
-        Same spans as ``begin_section``/``end_section`` around the forward, for less
-        host time: the section id (at the first call, or here if the section exists)
-        and its span object are bound once, and a wrapper, unlike a forward-pre-hook
-        and a forward hook, does not take torch's hook dispatch (an identity module's call with the profiler's two hooks cost
-        3.51 us on the CI host, 2.36 of it with empty hooks, against 0.80 plain:
-        bench/RESULTS.md, hook_dispatch). A call the short path cannot take (outside a
-        step, a re-entered module, a section closed out of order, NVTX on) takes the
-        general path. Other hooks on the module run outside the section. A forward
-        traced by ``torch.compile`` (the module, or a model around it, compiled) is not
-        timed: the clock reads and event records would break the graph; time the
-        compiled region from outside it (``section`` around its call).
-        """
-        # Reused: one module's forwards do not overlap. A section seen before starts on
-        # the short path (the benchmarks hook a module again for every profiled step).
-        span = _Span(self, self._ids.get((name, category), -1), bytes)
-        clock = time.perf_counter_ns
-        mark, mark_end = self._timer.mark, self._timer.mark_end
-        stack = self._stack  # cleared in place, never replaced
-        calls, sizes = self._calls, self._bytes
-        previous = module.__dict__.get("forward")  # another wrapper, or None
-        inner = module.forward
-
-        compiling = torch.compiler.is_compiling
-
-        @hot_path
-        def timed_forward(*args: Any, **kwargs: Any) -> Any:
-            if compiling():
-                # Traced into a torch.compile graph: a clock read or an event record
-                # would break it; a compiled module is timed from outside its graph.
-                return inner(*args, **kwargs)
-            t_in = clock()
-            if span._sid < 0 or span._token is not None or not self._in_step or self.nvtx:
-                self._open_slow(span, name, category, bytes)
-            else:
-                stack.append(span)
-                span._token = mark()
-                self._self_ns += clock() - t_in
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                t_in = clock()
-                token = span._token
-                if token is None or not stack or stack[-1] is not span or self.nvtx:
-                    self._close_slow(span)
-                else:
-                    end = mark_end(token)
-                    stack.pop()
-                    sid = span._sid
-                    self._spans.append((sid, token, end))
-                    calls[sid] += 1
-                    if bytes:
-                        sizes[sid] += bytes
-                    span._token = None
-                    self._self_ns += clock() - t_in
-
-        module.forward = timed_forward  # type: ignore[method-assign]
-        return [ModuleHandle(module, timed_forward, previous)]
-
-    def _open_slow(self, span: _Span, name: str, category: str, nbytes: int) -> None:
-        """``hook_module``'s open when its short path does not apply."""
-        if span._token is not None:  # the module re-entered itself: a span of its own
-            self.begin_section(name, category, nbytes)
-            return
-        span._sid = self._section_id(name, category)  # interned at the first call
-        self._open(span)
-
-    def _close_slow(self, span: _Span) -> None:
-        """``hook_module``'s close when its short path does not apply: close the
-        innermost open span of the section (a re-entered call's own span, or ``span``
-        with whatever was left open inside it)."""
-        if self._in_step:  # else, as end_section: its begin was counted already
-            name = self._meta[span._sid].name if span._sid >= 0 else "?"
-            self._close_innermost(span._sid, f"module section {name!r} ended but it is not open")
-
-    @hot_path
-    def _open(self, span: _Span) -> None:
-        t_in = time.perf_counter_ns()
-        if not self._in_step:
-            self._misused("outside", "a section was entered outside a step; not timed")
-            return
-        if self.nvtx:
-            torch.cuda.nvtx.range_push(self._meta[span._sid].name)
-        self._stack.append(span)
-        span._token = self._timer.mark()
-        self._self_ns += time.perf_counter_ns() - t_in
-
-    @hot_path
-    def _close(self, span: _Span) -> None:
-        t_in = time.perf_counter_ns()
-        if span._token is None:
-            return  # entered outside a step: already counted at entry
-        end = self._timer.mark_end(span._token)
-        stack = self._stack
-        if not stack or stack[-1] is not span:
-            name = self._meta[span._sid].name
-            if span not in stack:
-                self._misused("not-open", f"section {name!r} ended but it is not open")
-                span._token = None
-                return
-            # Ended out of order: drop the sections opened inside it and still open.
-            self._misused("nesting", f"section {name!r} ended before the sections inside it")
-            while stack[-1] is not span:
-                stack.pop()
-                if self.nvtx:
-                    torch.cuda.nvtx.range_pop()  # keep the NVTX stack balanced
-        stack.pop()
-        if self.nvtx:
-            torch.cuda.nvtx.range_pop()
-        self._spans.append((span._sid, span._token, end))
-        self._calls[span._sid] += 1
-        self._bytes[span._sid] += span._bytes
-        span._token = None
-        self._self_ns += time.perf_counter_ns() - t_in
-
-    # -- collectives (hot) ------------------------------------------------------------
-
-    @hot_path
-    def collective(
-        self, name: str, fn: Callable[..., Any], *args: Any, rendezvous: bool = True, **kw: Any
-    ) -> Any:
-        """Call ``fn(*args, **kw)`` and time it as ``name/enqueue|rendezvous|transfer``.
-
-        With ``rendezvous=True`` (and a process group) a 1-element all_reduce on the same
-        group is issued right before ``fn``: the time spent in it is this rank's wait
-        for the last rank to arrive, so ``transfer`` holds the collective alone.
-        ``enqueue`` is host time inside ``fn`` (on gloo, which is synchronous, it
-        contains the transfer). Use blocking calls (no ``async_op=True``): with an
-        async op ``transfer`` only covers the enqueue.
-        """
-        t_in = time.perf_counter_ns()
-        if not self._in_step:
-            self._misused("coll-outside", f"collective {name!r} outside a step; not timed")
-            return fn(*args, **kw)
-        cid, eid, rid, tid = self._collective_ids(name)
-        timer = self._timer
-        if self._sync_collectives:
-            torch.cuda.synchronize()  # syncless: ok opt-in collectives mode
-        a = timer.mark()
-        rdv_ns = 0
-        b = a
-        if rendezvous and self._rdv is not None:
-            r0 = time.perf_counter_ns()
-            group = kw.get("group", self.group)
-            # The rendezvous probe: its wait is the skew measurement the caller asked for.
-            dist.all_reduce(self._rdv, group=group)  # syncless: collective-ok skew probe
-            rdv_ns = time.perf_counter_ns() - r0
-            b = timer.mark()
-        h0 = time.perf_counter_ns()
-        out = fn(*args, **kw)
-        fn_ns = time.perf_counter_ns() - h0
-        if self._sync_collectives:
-            torch.cuda.synchronize()  # syncless: ok opt-in collectives mode
-        c = timer.mark()
-        spans = self._spans
-        spans.append((cid, a, c))
-        self._calls[cid] += 1
-        if b is not a:
-            spans.append((rid, a, b))
-            self._calls[rid] += 1
-        spans.append((tid, b, c))
-        self._calls[tid] += 1
-        self._calls[eid] += 1
-        self._host_ns[eid] += fn_ns
-        self._self_ns += time.perf_counter_ns() - t_in - fn_ns - rdv_ns
-        return out
 
     # -- report (cold, collective) ------------------------------------------------------
 
