@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import ast
 
+from syncless.lint.declared_types import annotation_type
 from syncless.lint.imports import ImportTable
-from syncless.lint.inference import Evaluator, T, annotation_type, merge_must
-from syncless.lint.scopes import ClassInfo, ModuleIndex, Resolver
+from syncless.lint.inference import Evaluator
+from syncless.lint.lattice import T, merge_must
+from syncless.lint.resolver import Resolver
+from syncless.lint.scopes import ClassInfo, ModuleIndex
 
 
 class ModuleContext:

@@ -21,7 +21,7 @@ from syncless.lint.context import ModuleContext
 from syncless.lint.files import collect_files
 from syncless.lint.findings import Finding, LintError, LintResult
 from syncless.lint.hotpath import RANK_CALLED, find_seeds
-from syncless.lint.inference import T, merge_may
+from syncless.lint.lattice import T, merge_may
 from syncless.lint.rules import RULES
 from syncless.lint.scopes import FunctionInfo
 from syncless.lint.suppress import KNOWN, Suppressions, scan_directives

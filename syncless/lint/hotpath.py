@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from syncless.lint.context import ModuleContext
-from syncless.lint.inference import T, heuristic_param_type, holds_tensor
-from syncless.lint.scopes import FunctionInfo, Target, terminal_name
+from syncless.lint.declared_types import heuristic_param_type
+from syncless.lint.lattice import T, holds_tensor
+from syncless.lint.resolver import Target
+from syncless.lint.scopes import FunctionInfo, terminal_name
 
 RANK_REGISTERED = 0
 RANK_DECORATED = 1

@@ -1,61 +1,26 @@
-"""A small type inference: is an expression a tensor, and is it a boolean one?
+"""Expression type inference: is an expression a tensor, and is it a boolean one?
 
-The lattice is deliberately tiny. ``TENSOR`` and ``BOOL`` (a boolean tensor) are
-tensors; ``SEQ`` is a tuple or list of tensors (a forward hook's ``input``); ``NOT``
-is known not to be a tensor (a number, a string, ``.shape``, a module); ``UNKNOWN``
-is everything else. Rules that depend on types (``int(t)``, ``if t:``, ``print(t)``)
-fire only on ``TENSOR``/``BOOL`` (and ``SEQ`` for formatting), so ``UNKNOWN`` costs
-recall, never precision.
+:class:`Evaluator` gives the lattice type (:mod:`syncless.lint.lattice`) of an
+expression from the local types in scope, the types of ``self`` attributes, the
+return types of module functions it calls and what torch's API is known to return
+(:mod:`syncless.lint.torchapi`). It also binds assignment targets, so a checker can
+keep the local types up to date as it walks a function.
 """
 
 from __future__ import annotations
 
 import ast
-import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from syncless.lint import torchapi
-from syncless.lint.scopes import FunctionInfo, Target
+from syncless.lint.lattice import Env, Shape, T, element_of, holds_tensor, is_tensor, merge_must
+from syncless.lint.resolver import Target
+from syncless.lint.scopes import FunctionInfo
 
 if TYPE_CHECKING:
     from syncless.lint.context import ModuleContext
 
-
-class T(enum.Enum):
-    """The inferred kind of a value."""
-
-    NOT = "not-tensor"
-    UNKNOWN = "unknown"
-    SEQ = "tensor-sequence"
-    BOOL = "bool-tensor"
-    TENSOR = "tensor"
-
-
-Env = dict[str, T]
-Shape = T | tuple["Shape", ...]
-"""A type, or a tuple of types for a tuple display (``a, b = x.max(), 0``)."""
-
-_MAY_ORDER = (T.NOT, T.UNKNOWN, T.SEQ, T.BOOL, T.TENSOR)
-_PARAM_NAMES = {
-    "output": T.TENSOR,
-    "out": T.TENSOR,
-    "grad": T.TENSOR,
-    "tensor": T.TENSOR,
-    "input": T.SEQ,
-    "inputs": T.SEQ,
-    "args": T.SEQ,
-    "outputs": T.SEQ,
-    "grads": T.SEQ,
-    "grad_input": T.SEQ,
-    "grad_output": T.SEQ,
-    "grad_inputs": T.SEQ,
-    "grad_outputs": T.SEQ,
-    "module": T.NOT,
-    "mod": T.NOT,
-    "name": T.NOT,
-    "optimizer": T.NOT,
-}
 _NOT_BUILTINS = frozenset(
     {
         "len", "isinstance", "issubclass", "hasattr", "callable", "id", "hash", "str",
@@ -64,113 +29,6 @@ _NOT_BUILTINS = frozenset(
     }
 )  # fmt: skip
 _NOT_MODULES = ("math.", "numpy.", "os.", "time.", "json.", "re.")
-
-
-def is_tensor(t: T) -> bool:
-    """Whether ``t`` is a tensor (boolean or not)."""
-    return t is T.TENSOR or t is T.BOOL
-
-
-def holds_tensor(t: T) -> bool:
-    """Whether ``t`` is a tensor or a sequence of tensors."""
-    return t is T.SEQ or is_tensor(t)
-
-
-def merge_must(a: T, b: T) -> T:
-    """Join at a control-flow merge: keep a type only if both paths agree on it."""
-    if a is b:
-        return a
-    if is_tensor(a) and is_tensor(b):
-        return T.TENSOR
-    return T.UNKNOWN
-
-
-def merge_may(a: T, b: T) -> T:
-    """Join across call sites: a parameter that receives a tensor anywhere is one."""
-    if {a, b} == {T.BOOL, T.TENSOR}:
-        return T.TENSOR
-    return max(a, b, key=_MAY_ORDER.index)
-
-
-def element_of(t: T) -> T:
-    """The type of an element when iterating or unpacking a value of type ``t``."""
-    if t is T.SEQ:
-        return T.TENSOR
-    return t
-
-
-def annotation_type(annotation: ast.expr | None) -> T | None:
-    """The type an annotation states, or None when it says nothing useful.
-
-    ``Tensor``, ``torch.Tensor``, ``Optional[Tensor]`` and ``Tensor | None`` give
-    TENSOR; ``tuple[Tensor, ...]``, ``list[Tensor]``, ``Sequence[Tensor]`` give SEQ;
-    builtin scalars, strings and modules give NOT; unions of several types and
-    anything else give None (no information).
-    """
-    if annotation is None:
-        return None
-    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
-        try:
-            annotation = ast.parse(annotation.value, mode="eval").body
-        except SyntaxError:
-            return None
-    members = [m for m in _union_members(annotation) if not _is_none(m)]
-    if len(members) != 1:
-        return None
-    member = members[0]
-    name = _dotted_name(member)
-    if name is not None:
-        last = name.rsplit(".", 1)[-1]
-        if last.endswith("Tensor") or last == "Parameter":
-            return T.TENSOR
-        if last in _SCALAR_ANNOTATIONS or last.endswith("Module"):
-            return T.NOT
-        return None
-    if isinstance(member, ast.Subscript):
-        head = (_dotted_name(member.value) or "").rsplit(".", 1)[-1]
-        if head in _CONTAINER_ANNOTATIONS:
-            items = member.slice.elts if isinstance(member.slice, ast.Tuple) else [member.slice]
-            items = [i for i in items if not (isinstance(i, ast.Constant) and i.value is ...)]
-            if items and all(annotation_type(i) is T.TENSOR for i in items):
-                return T.SEQ
-    return None
-
-
-_SCALAR_ANNOTATIONS = frozenset({"int", "float", "bool", "str", "bytes", "complex"})
-_CONTAINER_ANNOTATIONS = frozenset(
-    {"tuple", "Tuple", "list", "List", "Sequence", "Iterable", "Iterator"}
-)
-
-
-def _union_members(node: ast.expr) -> list[ast.expr]:
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
-        return [*_union_members(node.left), *_union_members(node.right)]
-    if isinstance(node, ast.Subscript):
-        head = (_dotted_name(node.value) or "").rsplit(".", 1)[-1]
-        if head == "Optional":
-            return [node.slice]
-        if head == "Union":
-            items = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-            return [m for item in items for m in _union_members(item)]
-    return [node]
-
-
-def _is_none(node: ast.expr) -> bool:
-    return isinstance(node, ast.Constant) and node.value is None
-
-
-def _dotted_name(node: ast.expr) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted_name(node.value)
-        return f"{base}.{node.attr}" if base else None
-    return None
-
-
-def heuristic_param_type(name: str) -> T | None:
-    """The type a hook parameter's conventional name suggests (``output``: TENSOR)."""
-    return _PARAM_NAMES.get(name)
 
 
 class Evaluator:

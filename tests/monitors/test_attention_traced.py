@@ -2,7 +2,7 @@
 
 ``measure_sampled_traced`` draws the sampling phase on the device (a host counter was a
 guard dynamo recompiled on). It runs here eagerly, under ``no_sync``, against the naive
-float64 loop of test_attention over the rows of the phase it drew; and over every
+float64 loop of attention_helpers over the rows of the phase it drew; and over every
 phase, its scaled entropy sums average to the sum over all rows (unbiased).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_attention import naive  # tests/monitors is on sys.path (no __init__.py)
+from attention_helpers import naive  # tests/monitors is on sys.path (no __init__.py)
 
 from syncless.guard import no_sync
 from syncless.monitors.attention_stats import build_plan, measure_sampled_traced
