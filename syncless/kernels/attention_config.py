@@ -23,11 +23,14 @@ class QKConfig:
 # blocks, bench/RESULTS.md monitor_kernels fb3e2cf); the entries below are
 # bench/attention_kernel.py's sweep on the H200 (bench/RESULTS.md, attention_kernel).
 # 64 x 64 with 4 warps took 0.453 ms on B 2, H 32/8, L 4096, D 128 against 0.585 ms at
-# the former 128 x 32 with 8 warps, and 0.167 against 0.219 ms at D 64 (40bb95a).
+# the former 128 x 32 with 8 warps, and 0.167 against 0.219 ms at D 64 (40bb95a). The
+# sweep over 17 tiles on four shapes (e23b6ee) kept 64 x 64, 4 warps, 3 stages for D 64
+# and 128 (best on each shape) and moved D 256 to 2 stages: 0.267 against 0.291 ms at
+# 128 x 64, 8 warps on B 2, H 8/4, L 4096.
 CONFIGS: dict[int, QKConfig] = {
     64: QKConfig(64, 64, 4, 3),
     128: QKConfig(64, 64, 4, 3),
-    256: QKConfig(128, 64, 8, 3),
+    256: QKConfig(64, 64, 4, 2),
 }
 
 

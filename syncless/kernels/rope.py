@@ -22,7 +22,10 @@ import triton.language as tl
 from syncless.hot_path import hot_path
 from syncless.kernels import interpreting
 
-_BLOCK_L = 64
+# Positions per program; every program walks all heads. 32 rows keep more programs than
+# SMs on the shapes of bench/attention_kernel.py (B 4 x L 2048: 256).
+_BLOCK_L = 32
+_WARPS = 4
 
 
 @triton.jit
@@ -41,31 +44,36 @@ def rounded(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
 def _rotate_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr,
     sxb, sxh, sxl, sxd, scb, scl, scd, H, LEN,
-    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    rows = pid * BLOCK_L + tl.arange(0, BLOCK_L)
-    d = tl.arange(0, BLOCK_D)
+    """``BLOCK_L`` positions of sequence ``program_id(1)``, every head: cos and sin are
+    read once for all heads (one launch per head re-read them ``H`` times, more bytes
+    than k itself), and each half of a row once (``rotate_half`` pairs them)."""
+    b = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
     half: tl.constexpr = HEAD_DIM // 2
-    first = d < half
-    partner = tl.where(first, d + half, d - half)
-    sign = tl.where(first, -1.0, 1.0)
-    mask = (rows < LEN)[:, None] & (d < HEAD_DIM)[None, :]
+    d = tl.arange(0, BLOCK_HALF)
+    mask = (rows < LEN)[:, None] & (d < half)[None, :]
     r64 = rows[:, None].to(tl.int64)
-    x_base = x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + r64 * sxl
-    x = tl.load(x_base + d[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(x_base + partner[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
     c_at = b.to(tl.int64) * scb + r64 * scl + d[None, :] * scd
-    cos = tl.load(cos_ptr + c_at, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + c_at, mask=mask, other=0.0).to(tl.float32)
-    y = x * cos + (xp * sign[None, :]) * sin
-    out_base = out_ptr + (bh.to(tl.int64) * LEN + r64) * HEAD_DIM
-    y = rounded(y, out_ptr.dtype.element_ty, EMULATE_BF16)
-    tl.store(out_base + d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    cos1 = tl.load(cos_ptr + c_at, mask=mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + c_at + half * scd, mask=mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + c_at, mask=mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + c_at + half * scd, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    for h in range(H):
+        x_base = x_ptr + b.to(tl.int64) * sxb + h * sxh + r64 * sxl
+        x1 = tl.load(x_base + d[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_base + (d[None, :] + half) * sxd, mask=mask, other=0.0).to(tl.float32)
+        # x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1).
+        y1 = x1 * cos1 + (-x2) * sin1
+        y2 = x2 * cos2 + x1 * sin2
+        out_base = out_ptr + ((b * H + h).to(tl.int64) * LEN + r64) * HEAD_DIM
+        tl.store(out_base + d[None, :], rounded(y1, dtype, EMULATE_BF16).to(dtype), mask=mask)
+        tl.store(
+            out_base + half + d[None, :], rounded(y2, dtype, EMULATE_BF16).to(dtype), mask=mask
+        )
 
 
 def cos_strides(cos: torch.Tensor) -> tuple[int, int, int]:
@@ -81,10 +89,13 @@ def rotate(
     """``x`` ``[B, H, L, D]`` (any strides) rotated by ``cos``/``sin`` ``[B or 1, L, D]``,
     as a new contiguous ``[B, H, L, D]`` tensor of ``out_dtype``."""
     b, h, length, head_dim = x.shape
+    if head_dim % 2:
+        raise ValueError(f"rotate: rotate_half needs an even head_dim, got {head_dim}")
     out = torch.empty((b, h, length, head_dim), dtype=out_dtype, device=x.device)
-    _rotate_kernel[(triton.cdiv(length, _BLOCK_L), b * h)](
+    _rotate_kernel[(triton.cdiv(length, _BLOCK_L), b)](
         x, cos, sin, out, *x.stride(), *cos_strides(cos), h, length,
-        HEAD_DIM=head_dim, BLOCK_L=_BLOCK_L, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        EMULATE_BF16=interpreting() and out_dtype == torch.bfloat16,
+        HEAD_DIM=head_dim, BLOCK_L=_BLOCK_L,
+        BLOCK_HALF=max(16, triton.next_power_of_2(head_dim // 2)),
+        EMULATE_BF16=interpreting() and out_dtype == torch.bfloat16, num_warps=_WARPS,
     )  # fmt: skip
     return out
