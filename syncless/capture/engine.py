@@ -13,6 +13,12 @@ each window carries and the drain copies only then.
 
 Nothing is lost silently: a record is stored, or dropped and counted with a reason
 (:class:`~syncless.capture.stats.DropReason`). See docs/capture.md.
+
+Here: construction and the hot path (``capture()``, ``advance_boundary()``). The class
+is put together from parts, one module each: the checks and parts made once at
+construction (:mod:`syncless.capture.engine_setup`), windows, flush and close
+(:mod:`syncless.capture.engine_lifecycle`), and counters and reports
+(:mod:`syncless.capture.engine_report`).
 """
 
 from __future__ import annotations
@@ -31,18 +37,19 @@ from syncless.capture.config import (
     EngineConfig,
     OnFull,
     check_on_full,
-    positive_int,
     resolve_device,
     resolve_sink,
 )
 from syncless.capture.controller import ControllerConfig, GrantController
-from syncless.capture.drain import DrainWorker, WindowReport
+from syncless.capture.drain import DrainWorker
+from syncless.capture.engine_lifecycle import EngineLifecycle
+from syncless.capture.engine_report import EngineReporting
+from syncless.capture.engine_setup import check_sizes, event_factory, resolve_controller
 from syncless.capture.records import VOID, WRITTEN, Record, RecordQueue
 from syncless.capture.ring_copy import RingCopier
 from syncless.capture.shortfall import Shortfall
 from syncless.capture.sink import CaptureSink
-from syncless.capture.stats import GAUGES, CaptureStats, DropReason, ThreadClock
-from syncless.capture.windows import WindowPattern
+from syncless.capture.stats import CaptureStats, DropReason, ThreadClock
 from syncless.capture.writer import SinkWriter, writer_count
 from syncless.cuda_driver import stream_capturing
 from syncless.guard import allow_sync
@@ -56,17 +63,9 @@ __all__ = ["CaptureEngine", "EngineConfig", "OnFull"]
 
 # Reasons a waiting capture can outlast; the others are final.
 _WAITABLE = (DropReason.RING_FULL, DropReason.RECORDS_FULL)
-# Counters reported under capture/self/ (the engine's own cost), not capture/step/.
-_SELF = (
-    "capture_host_ms",
-    "boundary_host_ms",
-    "drain_loops_count",
-    "drain_cpu_ms",
-    "writer_cpu_ms",
-)
 
 
-class CaptureEngine:
+class CaptureEngine(EngineLifecycle, EngineReporting):
     """Captures tensors from training into a sink without a host sync on the hot path.
 
     Args:
@@ -114,17 +113,7 @@ class CaptureEngine:
         strict: bool = False,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        cfg = config if config is not None else EngineConfig()
-        if not isinstance(cfg, EngineConfig):
-            raise ValueError(f"config must be an EngineConfig, got {type(cfg).__name__}")
-        ring_bytes = positive_int(ring_bytes, "CaptureEngine: ring_bytes", cfg.align)
-        staging_bytes = positive_int(staging_bytes, "CaptureEngine: staging_bytes", cfg.align)
-        if staging_bytes > ring_bytes:
-            raise ValueError(
-                f"CaptureEngine: staging_bytes ({staging_bytes}) > ring_bytes ({ring_bytes}): "
-                f"a transfer carries records from the ring, so staging beyond the ring's "
-                f"size is never used; make the ring at least as large as staging"
-            )
+        cfg, ring_bytes, staging_bytes = check_sizes(ring_bytes, staging_bytes, config)
         self._on_full = check_on_full(on_full)
         self._device = resolve_device(device)
         self._cuda = self._device.type == "cuda"
@@ -135,14 +124,7 @@ class CaptureEngine:
         self._background = background
         self._config = cfg
         self._staging_bytes = staging_bytes
-        if controller is None:
-            controller = GrantController(staging_bytes, controller_config)
-        elif controller.staging_bytes > staging_bytes:
-            raise ValueError(
-                f"the controller grants up to {controller.staging_bytes} bytes but staging "
-                f"has {staging_bytes}; build it with GrantController({staging_bytes}, ...)"
-            )
-        self._ctl = controller
+        self._ctl = resolve_controller(controller, controller_config, staging_bytes)
         self._ctl_lock = threading.Lock()
 
         # Everything the hot path touches is allocated here, once.
@@ -150,7 +132,7 @@ class CaptureEngine:
         self._copier = RingCopier(self._ring)
         staging = torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=self._cuda)
         self._queue = RecordQueue(
-            ring_bytes, cfg.align, cfg.max_records, _event_factory(self._device)
+            ring_bytes, cfg.align, cfg.max_records, event_factory(self._device)
         )
         self._boundary = BoundaryClock(self._device, cfg.boundary_pool, clock)
         self._stats = CaptureStats()
@@ -380,172 +362,16 @@ class CaptureEngine:
             "boundary_count", 1, "boundary_host_ms", (time.perf_counter_ns() - t0) / 1e6
         )
 
-    # -- windows ------------------------------------------------------------------------
-
-    def define_pattern(
-        self, pattern: WindowPattern, stream: torch.cuda.Stream | None = None
-    ) -> int:
-        """Declare recurring windows; returns the pattern's version.
-
-        Boundaries count from 0 again under a new pattern, ordered on ``stream`` (default:
-        the current stream) with the boundaries published there. Redefining the current
-        pattern keeps its version, its count and what the controller learnt.
-        """
-        self._check_open("define_pattern")
-        with self._ctl_lock:
-            before = self._ctl.version
-            version = self._ctl.define_pattern(pattern)
-        if version != before:
-            self._boundary.set_version(version, stream)
-        self._drain.notify()  # an idle batching drain sleeps until told
-        return version
-
-    def suspend(self) -> None:
-        """Enter a phase without windows (evaluation): the drain batches, nothing counts
-        against the windows, and nothing in it can trigger the fallback."""
-        self._check_open("suspend")
-        with self._ctl_lock:
-            self._ctl.suspend()
-        self._drain.notify()
-
-    def resume(self) -> None:
-        """Leave the phase entered by :meth:`suspend`."""
-        self._check_open("resume")
-        with self._ctl_lock:
-            self._ctl.resume()
-        self._drain.notify()
-
-    def window_reports(self) -> list[WindowReport]:
-        """What the engine reported for each recent window transfer (oldest first)."""
-        return list(self._drain.reports)
-
-    # -- the cold path --------------------------------------------------------------------
-
-    def poll(self) -> bool:
-        """Run one drain iteration on this thread (``background=False`` only)."""
-        if self._background:
-            raise RuntimeError("poll() is for background=False engines: the drain runs itself")
-        if self._closed:
-            return False
-        return self._drain.step()
-
-    def flush(self) -> None:
-        """Wait until every record captured so far is stored (or dropped and counted).
-
-        A host wait, outside any window: for the end of a phase, not for every step.
-        """
-        if self._strict:
-            self._raise_errors()
-        if self._closed or self._drain.error is not None:
-            return
-        self._drain.wait(self._drain.request("lifecycle"))
-        if self._strict:
-            self._raise_errors()
-
-    def close(self, step: int | None = None) -> None:
-        """Drain and store everything, stop the threads, close the sink. Idempotent.
-
-        A closed engine refuses captures (each counted as dropped, reason ``closed``)
-        and cannot be reopened. With a ``run``, a last :meth:`report` goes out at
-        ``step`` (default: the last step reported).
-        """
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.close()
-        if self._drain.error is None:
-            self._drain.wait(self._drain.request("lifecycle"))
-        self._drain.stop()
-        if self._drain.error is not None:
-            self._count_lost()
-        self._writer.close()
-        if self._run is not None:
-            self.report(self._last_step if step is None else step)
-        if self._strict:
-            self._raise_errors()
-
-    def __enter__(self) -> CaptureEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def report(self, step: int) -> dict[str, float]:
-        """This step's numbers (counters since the last report, gauges now), sent to the
-        ``run`` as ``capture/step/*`` and ``capture/self/*`` step records."""
-        if self._strict:
-            self._raise_errors()
-        self._last_step = step
-        self._stats.add2(
-            "drain_cpu_ms",
-            self._thread_clock.advance(self._drain.thread),
-            "writer_cpu_ms",
-            sum(self._thread_clock.advance(t) for t in self._writer.threads),
-        )
-        values: dict[str, float] = {}
-        for name, value in self._stats.deltas().items():
-            values[f"capture/{'self' if name in _SELF else 'step'}/{name}"] = value
-        gauges = self._gauges()
-        values.update({f"capture/step/{name}": gauges[name] for name in GAUGES})
-        if self._run is not None:
-            self._run.log(step, values)
-        return values
-
-    def counters(self) -> dict[str, float]:
-        """Every counter, cumulative since the engine started, and the gauges now."""
-        return {**self._stats.snapshot(), **self._gauges()}
-
-    def dropped(self) -> dict[str, int]:
-        """Dropped records by reason (every reason listed, zeros included)."""
-        return self._stats.dropped()
-
     # -- internals ------------------------------------------------------------------------
 
-    def _gauges(self) -> dict[str, float]:
-        with self._ctl_lock:
-            fallback = self._ctl.fallback
-        return {
-            "pending_count": self._stats.balance(),
-            "ring_used_bytes": self._queue.used_bytes(),
-            "staging_used_bytes": self._drain.staging_used(),
-            "fallback": int(fallback),
-        }
-
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise RuntimeError(f"{what}(): the capture engine is closed (it cannot be reopened)")
-
+    # Here rather than with flush and close: capture() raises through it in strict mode,
+    # so the linter checks it with the hot path.
     def _raise_errors(self) -> None:
         for owner in (self._writer, self._drain):
             err = owner.error
             if err is not None:
                 owner.error = None  # raised once, like syncless.run's Parquet writer
                 raise RuntimeError(f"capture {type(owner).__name__} failed: {err!r}") from err
-
-    def _count_lost(self) -> None:
-        """The drain died: what is left in the ring will never be stored."""
-        count = nbytes = 0
-        for i in range(len(self._queue)):
-            rec = self._queue.peek(i)
-            if rec.state != VOID:
-                count += 1
-                nbytes += rec.nbytes
-        if count:
-            self._stats.drop(DropReason.DRAIN_ERROR, nbytes, count)
-
-
-def _event_factory(device: torch.device) -> Callable[[], Any] | None:
-    """Readiness events for the record slots, created (and their CUDA events made) now."""
-    if device.type != "cuda":
-        return None
-    stream = torch.cuda.current_stream(device)
-
-    def make() -> torch.cuda.Event:
-        ev = torch.cuda.Event()  # no timing: cheaper to record, and readiness is all we ask
-        ev.record(stream)  # creates the CUDA event now rather than at the first capture
-        return ev
-
-    return make
 
 
 def _meta_json(meta: Mapping[str, Any]) -> str:
