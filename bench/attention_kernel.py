@@ -7,7 +7,11 @@ pair). Both rates are measured here, in the same run: a bf16 8192^3 matmul and a
 kernel that does nothing but ``exp2`` on registers. The floor is their sum (the kernel
 cannot overlap them perfectly; FlashAttention-3 spends a whole design on that).
 
-Per shape it times, with ``triton.testing.do_bench`` (median, events):
+Per shape it times device time with :func:`device_ms`: CUDA graph replays of the launch
+after an L2 flush, less the flushes alone. ``triton.testing.do_bench`` puts events
+around each Python launch, and on the H200 host the launch path of a small kernel
+(20-40 us) leaked into them: the rope launch took 16 us by itself and 44 us in the
+table of the same run (d57017b). Per shape:
 
 * ``stats``: the statistics kernel on q straight from its projection (rotated in the
   kernel) and k already rotated, rounded to bf16, as the monitor runs it on a Hugging
@@ -102,6 +106,42 @@ def matmul_rate() -> float:
     return 2 * 8192**3 / (ms * 1e-3)
 
 
+def device_ms(fn, launches: int = 20, repeats: int = 7) -> float:
+    """Device time of one ``fn()``: graph replays of ``launches`` x (L2 flush, ``fn``)
+    less replays of the flushes alone, medians over ``repeats``. No host gap between
+    launches can count, and every launch starts with a cold L2, as after do_bench's
+    flush."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # > the 50 MB L2
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compiles) off the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = []
+    for with_fn in (True, False):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(launches):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(graph)
+
+    def replay_ms(graph) -> float:
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[repeats // 2]
+
+    replay_ms(graphs[0])  # first replay uploads the graph
+    return (replay_ms(graphs[0]) - replay_ms(graphs[1])) / launches
+
+
 def allowed_pairs(length: int, window: int | None) -> int:
     if window is None or window >= length:
         return length * (length + 1) // 2
@@ -175,9 +215,7 @@ def time_shape(shape, cfg, rates) -> dict:
             config=cfg,
         )  # fmt: skip
 
-    def bench(fn) -> float:
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
+    bench = device_ms
     stats_ms = bench(stats)
     rope_ms = bench(lambda: rope.rotate(k, cos, sin, torch.bfloat16))
     flash_ms = math.nan

@@ -39,11 +39,19 @@ def test_rotate_matches_the_model_formula(head_dim, cos_batch, dtype):
     got = kernels.rope_rotate(x, cos, sin, dtype)
     want = _hf_rotated(x, cos.expand(b, -1, -1), sin.expand(b, -1, -1), dtype)
     assert got.shape == (b, h, length, head_dim) and got.is_contiguous()
-    if dtype == torch.float32 and DEVICE == "cuda":
-        # The compiled kernel may fuse a multiply-add where torch rounds twice.
+    if DEVICE != "cuda":
+        assert torch.equal(got, want)  # the interpreter rounds each product, as torch
+        return
+    # The compiled kernel fuses a multiply-add where torch rounds twice: float32 within
+    # an ulp or so, and a bf16 value that sits on a rounding boundary may round the
+    # other way (one bf16 ulp, seen on the H200 in 3 of 9 cases at d57017b).
+    exact = torch.equal(got, want)
+    if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=2e-7, atol=1e-6)
     else:
-        assert torch.equal(got, want)
+        ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(1e-30)
+        off = (got.float() - want.float()).abs()
+        assert exact or (bool((off <= ulp).all()) and float((off > 0).float().mean()) < 1e-3)
 
 
 def test_an_odd_head_dim_is_refused():
