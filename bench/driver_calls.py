@@ -106,11 +106,6 @@ def main() -> None:
         calls["memcpy D2D 4 KiB"] = lambda i: memcpy(
             ring_ptr + (i % 256) * 4096, src.data_ptr(), 4096, stream
         )
-    copy16 = drv.copy16_fn()
-    if copy16 is not None:
-        calls["copy16 kernel 4 KiB"] = lambda i: copy16(
-            ring_ptr + (i % 256) * 4096, src.data_ptr(), 4096, stream
-        )
     views = [ring[j * 4096 : (j + 1) * 4096].view(torch.float32) for j in range(256)]
     calls["torch copy_ 4 KiB"] = lambda i: views[i % 256].copy_(src)
     noop = noop_launcher(stream)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -30,47 +29,6 @@ _U64 = (1 << 64) - 1
 # a 64-bit write is {operation: u32 (padded), address, value64, flags: u32, alias}.
 _PARAM_WORDS = 6
 _WRITE_VALUE_64 = 5  # CU_STREAM_MEM_OP_WRITE_VALUE_64
-
-# A device-to-device copy in 16-byte words (grid-stride), for copy16_fn. PTX for sm_70
-# and up, compiled by the driver when the module loads.
-_COPY16_PTX = b"""
-.version 7.0
-.target sm_70
-.address_size 64
-.visible .entry syncless_copy16(.param .u64 dst, .param .u64 src, .param .u64 words)
-{
-    .reg .pred p;
-    .reg .b32 r<9>;
-    .reg .b64 rd<10>;
-    ld.param.u64 rd1, [dst];
-    ld.param.u64 rd2, [src];
-    ld.param.u64 rd3, [words];
-    cvta.to.global.u64 rd1, rd1;
-    cvta.to.global.u64 rd2, rd2;
-    mov.u32 r1, %ctaid.x;
-    mov.u32 r2, %ntid.x;
-    mov.u32 r3, %tid.x;
-    mov.u32 r4, %nctaid.x;
-    mul.wide.u32 rd4, r1, r2;
-    cvt.u64.u32 rd5, r3;
-    add.u64 rd4, rd4, rd5;
-    mul.wide.u32 rd6, r4, r2;
-LOOP:
-    setp.ge.u64 p, rd4, rd3;
-    @p bra DONE;
-    shl.b64 rd7, rd4, 4;
-    add.u64 rd8, rd2, rd7;
-    add.u64 rd9, rd1, rd7;
-    ld.global.v4.u32 {r5, r6, r7, r8}, [rd8];
-    st.global.v4.u32 [rd9], {r5, r6, r7, r8};
-    add.u64 rd4, rd4, rd6;
-    bra LOOP;
-DONE:
-    ret;
-}
-\0"""
-_COPY16_THREADS = 256
-_COPY16_MAX_BLOCKS = 1024  # a grid-stride loop beyond: 8 blocks per SM on the H200
 
 
 class Driver:
@@ -103,7 +61,6 @@ class Driver:
         if batch is not None:
             batch.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint]
         self._batch = batch
-        self._lib = lib
 
     def event_record(self, event: int, stream: int) -> bool:
         """Record ``event`` (a ``CUevent``) on ``stream`` (a ``CUstream``)."""
@@ -119,43 +76,6 @@ class Driver:
         the capture engine's copy into its ring (a torch ``copy_`` releases the GIL);
         None where the driver lacks it."""
         return self._memcpy
-
-    def copy16_fn(self) -> Callable[[int, int, int, int], int] | None:
-        """``(dst, src, nbytes, stream) -> CUresult``: copy ``nbytes`` (a multiple of
-        16) between 16-byte aligned device addresses by one ``cuLaunchKernel`` of a
-        grid-stride kernel; None where the module does not load.
-
-        Why: ``cuMemcpyDtoDAsync`` took 7.8 us of the H200 host's time for 4 KiB
-        against 5.4 us for a launch of an empty kernel with three parameters
-        (bench/driver_calls.py, e23b6ee), and a capture pays it on the training thread.
-        The parameter words are shared and set under a lock, as threads may capture
-        at once.
-        """
-        lib = self._lib
-        module, function = ctypes.c_void_p(), ctypes.c_void_p()
-        try:
-            if lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(_COPY16_PTX)) != 0:
-                return None
-            if lib.cuModuleGetFunction(ctypes.byref(function), module, b"syncless_copy16") != 0:
-                return None
-            launch = lib.cuLaunchKernel
-        except AttributeError:
-            return None
-        launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-        words = (ctypes.c_uint64 * 3)()
-        params = (ctypes.c_void_p * 3)(*(ctypes.addressof(words) + 8 * i for i in range(3)))
-        lock = threading.Lock()
-        fn = function.value
-        threads, most = _COPY16_THREADS, _COPY16_MAX_BLOCKS
-
-        def copy16(dst: int, src: int, nbytes: int, stream: int) -> int:
-            n = nbytes >> 4
-            blocks = min(most, (n + threads - 1) // threads)
-            with lock:
-                words[0], words[1], words[2] = dst, src, n
-                return launch(fn, blocks, 1, 1, threads, 1, 1, 0, stream, params, None)
-
-        return copy16
 
     def write_fn(self) -> Any:
         """``cuStreamWriteValue64`` itself, ``(stream, address, value, flags) ->

@@ -1,14 +1,18 @@
 """Copies into the device ring, on the training thread: one per ``capture()``.
 
-On CUDA a contiguous tensor is copied by a launch of our own 16-byte copy kernel
-(``Driver.copy16_fn``; ``cuMemcpyDtoDAsync`` where a pointer or the size is not a
-multiple of 16) and its readiness event recorded by ``cuEventRecord``, both through
-``ctypes.PyDLL``, which keeps the GIL. A torch ``copy_`` and ``Event.record`` each release it around their C++ body,
+On CUDA a contiguous tensor is copied by ``cuMemcpyDtoDAsync`` and its readiness
+event recorded by ``cuEventRecord``, both through ``ctypes.PyDLL``, which keeps the
+GIL. A torch ``copy_`` and ``Event.record`` each release it around their C++ body,
 and every release lets the drain or writer thread take the GIL from the training
 thread (see :mod:`syncless.cuda_driver`): on the H200 a 4 KiB ``capture()`` cost 37 us
 with torch's calls while those threads ran (bench/capture_drain.py, 0a153bf).
 Everything else (strided views, conjugate and negative bits, the CPU, a driver that
 refuses) takes torch's path, which gives the same bytes in row-major order.
+
+The copy is the floor of a capture's host time: about 7-8 us of the H200 host per
+``cuMemcpyDtoDAsync`` (bench/driver_calls.py). A launch of our own copy kernel through
+``cuLaunchKernel`` was tried instead and cost as much or more (8.31 against 8.26 us at
+4 KiB, 11.06 against 6.76 us at 32 MiB; copy_probe, 0c6faa0), so it is not used.
 
 ``defer``: the driver's copy records no event; the drain records one later on the same
 stream, after the newest such copy (:meth:`DrainTransfers.mark_landed
@@ -43,9 +47,6 @@ class RingCopier:
         drv = driver() if ring.device.type == "cuda" else None
         self._ring_ptr = ring.data_ptr()
         self._memcpy = drv.memcpy_fn() if drv is not None else None
-        # 16-byte aligned copies of whole 16-byte words: our own kernel's launch costs
-        # the host less than the driver's memcpy (cuda_driver.Driver.copy16_fn).
-        self._copy16 = drv.copy16_fn() if drv is not None and self._memcpy is not None else None
         if drv is not None and self._memcpy is not None:
             self._record = drv.record_fn()
             self._stream = current_raw_stream_fn(ring.device.index)
@@ -69,14 +70,8 @@ class RingCopier:
             return False
         stream = self._stream()
         n = rec.nbytes
-        if n:
-            dst, src = self._ring_ptr + rec.offset, tensor.data_ptr()
-            if self._copy16 is not None and not ((dst | src | n) & 15):
-                status = self._copy16(dst, src, n, stream)
-            else:
-                status = self._memcpy(dst, src, n, stream)
-            if status != 0:
-                return False
+        if n and self._memcpy(self._ring_ptr + rec.offset, tensor.data_ptr(), n, stream) != 0:
+            return False
         if defer:
             rec.landed, rec.stream, rec.mark = None, stream, -1
             return True

@@ -210,21 +210,3 @@ def test_driver_copies_are_byte_exact_and_ordered_on_the_current_stream() -> Non
     assert any(driver_copies), "no capture took the driver's path"
     # Batching: every driver copy left its landing event to the drain.
     assert deferred == driver_copies
-
-
-def test_copy16_kernel_copies_every_word_and_nothing_past_them() -> None:
-    """The engine's own copy kernel on the device: sizes from one word to 64 MiB plus
-    one word (the grid-stride loop's last pass), against the source bytes; the guard
-    bytes after each destination stay untouched."""
-    from syncless.cuda_driver import current_raw_stream, driver
-
-    copy16 = driver().copy16_fn()
-    assert copy16 is not None, "the PTX module did not load"
-    stream = current_raw_stream()
-    for nbytes in (16, 4096, 3 * 4096 + 16, (64 << 20) + 16):
-        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
-        dst = torch.zeros(nbytes + 4096, dtype=torch.uint8, device="cuda")
-        assert copy16(dst.data_ptr() + 2048, src.data_ptr(), nbytes, stream) == 0
-        torch.cuda.synchronize()
-        assert torch.equal(dst[2048 : 2048 + nbytes], src)
-        assert not dst[:2048].any() and not dst[2048 + nbytes :].any()
