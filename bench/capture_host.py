@@ -1,0 +1,78 @@
+"""Where ``capture()``'s host time goes: the engine's Python against its copy.
+
+Three medians of one 4 KiB ``capture()`` on the current device: an engine with its
+drain and writer threads (as in training), an inline engine (``background=False``: no
+other Python thread), and the inline engine with the copy skipped (its Python alone),
+plus the driver copy alone. The difference between the first two is what the
+engine's threads take from the training thread; between the last two, the copy.
+
+    python bench/capture_host.py       # CUDA; on the CPU it runs, numbers mean little
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from results import append_result  # bench/ is on sys.path as a script
+
+from syncless.capture import CaptureEngine, EngineConfig, MemorySink
+
+
+def median_us(engine: CaptureEngine, x: torch.Tensor, calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter_ns()
+        engine.capture("small", x)
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return statistics.median(times)
+
+
+def _landed_without_copy(rec, tensor, defer=False) -> None:
+    """The copier's bookkeeping without its copy: the record counts as landed."""
+    rec.landed, rec.mark = rec.event, -1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(1024, device=device)
+    ring, staging = (1 << 30, 256 << 20) if device == "cuda" else (64 << 20, 16 << 20)
+    rows = {}
+    for name, background, copy in (
+        ("threads", True, True),
+        ("inline", False, True),
+        ("inline, copy skipped", False, False),
+    ):
+        # Slots for every call: an inline engine drains nothing while it is timed, and a
+        # dropped capture (records_full) would be timed without its copy.
+        config = EngineConfig(max_records=2 * (args.calls + 500))
+        engine = CaptureEngine(
+            ring, staging, MemorySink(), device=device, background=background, config=config
+        )
+        if not copy:
+            engine._copier.copy = _landed_without_copy
+        median_us(engine, x, 500)  # warm up
+        engine.flush()
+        rows[name] = median_us(engine, x, args.calls)
+        dropped = sum(engine.dropped().values())
+        engine.close()
+        print(f"{name:22s} {rows[name]:6.2f} us per capture(), {dropped} dropped")
+        if dropped:
+            raise SystemExit(f"{name}: {dropped} captures dropped; the medians would mislead")
+    text = "; ".join(f"{k} {v:.2f}" for k, v in rows.items())
+    if not args.no_record:
+        print(
+            append_result(
+                "capture_host", f"capture() host us, median of {args.calls} (4 KiB): {text}"
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
