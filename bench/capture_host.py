@@ -1,10 +1,11 @@
 """Where ``capture()``'s host time goes: the engine's Python against its copy.
 
-Three medians of one 4 KiB ``capture()`` on the current device: an engine with its
-drain and writer threads (as in training), an inline engine (``background=False``: no
-other Python thread), and the inline engine with the copy skipped (its Python alone),
-plus the driver copy alone. The difference between the first two is what the
-engine's threads take from the training thread; between the last two, the copy.
+The median and mean of one 4 KiB ``capture()`` on the current device: an engine with
+its drain and writer threads (as in training), an inline engine (``background=False``:
+no other Python thread), the inline engine with the copy skipped (its Python alone),
+and the threaded engine with ``coalesce=True`` (one copy launch per 256 captures: its
+mean carries the launches). The difference between the first two is what the engine's
+threads take from the training thread; between the second and third, the copy.
 
     python bench/capture_host.py       # CUDA; on the CPU it runs, numbers mean little
 """
@@ -21,13 +22,13 @@ from results import append_result  # bench/ is on sys.path as a script
 from syncless.capture import CaptureEngine, EngineConfig, MemorySink
 
 
-def median_us(engine: CaptureEngine, x: torch.Tensor, calls: int) -> float:
+def times_us(engine: CaptureEngine, x: torch.Tensor, calls: int, coalesce: bool) -> list[float]:
     times = []
     for _ in range(calls):
         t0 = time.perf_counter_ns()
-        engine.capture("small", x)
+        engine.capture("small", x, coalesce=coalesce)
         times.append((time.perf_counter_ns() - t0) / 1e3)
-    return statistics.median(times)
+    return times
 
 
 def _landed_without_copy(rec, tensor, defer=False) -> None:
@@ -37,17 +38,18 @@ def _landed_without_copy(rec, tensor, defer=False) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--calls", type=int, default=3072)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(1024, device=device)
     ring, staging = (1 << 30, 256 << 20) if device == "cuda" else (64 << 20, 16 << 20)
     rows = {}
-    for name, background, copy in (
-        ("threads", True, True),
-        ("inline", False, True),
-        ("inline, copy skipped", False, False),
+    for name, background, copy, coalesce in (
+        ("threads", True, True, False),
+        ("inline", False, True, False),
+        ("inline, copy skipped", False, False, False),
+        ("threads, coalesced", True, True, True),
     ):
         # Slots for every call: an inline engine drains nothing while it is timed, and a
         # dropped capture (records_full) would be timed without its copy.
@@ -57,21 +59,21 @@ def main() -> None:
         )
         if not copy:
             engine._copier.copy = _landed_without_copy
-        median_us(engine, x, 500)  # warm up
+        times_us(engine, x, 512, coalesce)  # warm up
         engine.flush()
-        rows[name] = median_us(engine, x, args.calls)
+        times = times_us(engine, x, args.calls, coalesce)
+        rows[name] = (statistics.median(times), statistics.fmean(times))
         dropped = sum(engine.dropped().values())
         engine.close()
-        print(f"{name:22s} {rows[name]:6.2f} us per capture(), {dropped} dropped")
+        print(
+            f"{name:22s} median {rows[name][0]:6.2f} mean {rows[name][1]:6.2f} us, {dropped} dropped"
+        )
         if dropped:
             raise SystemExit(f"{name}: {dropped} captures dropped; the medians would mislead")
-    text = "; ".join(f"{k} {v:.2f}" for k, v in rows.items())
+    text = "; ".join(f"{k} {m:.2f} / {a:.2f}" for k, (m, a) in rows.items())
+    result = f"capture() host us, median / mean of {args.calls} (4 KiB): {text}"
     if not args.no_record:
-        print(
-            append_result(
-                "capture_host", f"capture() host us, median of {args.calls} (4 KiB): {text}"
-            )
-        )
+        print(append_result("capture_host", result))
 
 
 if __name__ == "__main__":
