@@ -1,11 +1,11 @@
 """Where ``capture()``'s host time goes: the engine's Python against its copy.
 
-The median and mean of one 4 KiB ``capture()`` on the current device: an engine with
-its drain and writer threads (as in training), an inline engine (``background=False``:
-no other Python thread), the inline engine with the copy skipped (its Python alone),
-and the threaded engine with ``coalesce=True`` (one copy launch per 256 captures: its
-mean carries the launches). The difference between the first two is what the engine's
-threads take from the training thread; between the second and third, the copy.
+The median and mean of one 4 KiB ``capture()`` on the current device (the mean carries
+the outliers: the drain taking the GIL, a garbage collection): an engine with its
+drain and writer threads (as in training), an inline engine (``background=False``: no
+other Python thread), and the inline engine with the copy skipped (its Python alone). The
+difference between the first two is what the engine's threads take from the training
+thread; between the second and third, the copy.
 
     python bench/capture_host.py       # CUDA; on the CPU it runs, numbers mean little
 """
@@ -22,11 +22,11 @@ from results import append_result  # bench/ is on sys.path as a script
 from syncless.capture import CaptureEngine, EngineConfig, MemorySink
 
 
-def times_us(engine: CaptureEngine, x: torch.Tensor, calls: int, coalesce: bool) -> list[float]:
+def times_us(engine: CaptureEngine, x: torch.Tensor, calls: int) -> list[float]:
     times = []
     for _ in range(calls):
         t0 = time.perf_counter_ns()
-        engine.capture("small", x, coalesce=coalesce)
+        engine.capture("small", x)
         times.append((time.perf_counter_ns() - t0) / 1e3)
     return times
 
@@ -45,11 +45,10 @@ def main() -> None:
     x = torch.randn(1024, device=device)
     ring, staging = (1 << 30, 256 << 20) if device == "cuda" else (64 << 20, 16 << 20)
     rows = {}
-    for name, background, copy, coalesce in (
-        ("threads", True, True, False),
-        ("inline", False, True, False),
-        ("inline, copy skipped", False, False, False),
-        ("threads, coalesced", True, True, True),
+    for name, background, copy in (
+        ("threads", True, True),
+        ("inline", False, True),
+        ("inline, copy skipped", False, False),
     ):
         # Slots for every call: an inline engine drains nothing while it is timed, and a
         # dropped capture (records_full) would be timed without its copy.
@@ -59,9 +58,9 @@ def main() -> None:
         )
         if not copy:
             engine._copier.copy = _landed_without_copy
-        times_us(engine, x, 512, coalesce)  # warm up
+        times_us(engine, x, 512)  # warm up
         engine.flush()
-        times = times_us(engine, x, args.calls, coalesce)
+        times = times_us(engine, x, args.calls)
         rows[name] = (statistics.median(times), statistics.fmean(times))
         dropped = sum(engine.dropped().values())
         engine.close()

@@ -76,9 +76,6 @@ class EngineConfig:
             uploads: on the H200 host, 512 MiB files from pinned memory went into the
             page cache at 2.44 GB/s from one thread and 12.8 GB/s from four, and to
             disk (synced) at 1.12 and 1.75 GB/s (bench/capture_load.py, 0a153bf).
-        coalesce_count, coalesce_bytes: ``capture(..., coalesce=True)`` holds captures
-            until this many wait, or this many bytes of them, then copies them all in
-            one launch per stream (:mod:`syncless.capture.coalesce`).
         planned_windows: windows copies planned by the drain and launched by
             ``advance_boundary()`` at the OPEN (None, the default: on CUDA, where a
             drain thread that reacts to the OPEN starts late on a host-bound step); on
@@ -96,8 +93,6 @@ class EngineConfig:
     gather_interval_s: float = 0.02
     writers: int = 4
     planned_windows: bool | None = None
-    coalesce_count: int = 256
-    coalesce_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         positive_int(self.max_records, "EngineConfig.max_records")
@@ -113,8 +108,6 @@ class EngineConfig:
         if self.gather_bytes is not None:
             positive_int(self.gather_bytes, "EngineConfig.gather_bytes")
         positive_float(self.gather_interval_s, "EngineConfig.gather_interval_s")
-        positive_int(self.coalesce_count, "EngineConfig.coalesce_count")
-        positive_int(self.coalesce_bytes, "EngineConfig.coalesce_bytes")
         positive_int(self.writers, "EngineConfig.writers")
 
 

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from syncless.capture.boundary import BoundaryClock
-from syncless.capture.coalesce import Coalescer, Waiting, coalescible, copy_waiting
 from syncless.capture.config import (
     EngineConfig,
     OnFull,
@@ -131,7 +130,6 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
         # Everything the hot path touches is allocated here, once.
         self._ring = torch.empty(ring_bytes, dtype=torch.uint8, device=self._device)
         self._copier = RingCopier(self._ring)
-        self._coalescer = Coalescer(cfg.coalesce_count, cfg.coalesce_bytes)
         staging = torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=self._cuda)
         self._queue = RecordQueue(
             ring_bytes, cfg.align, cfg.max_records, event_factory(self._device)
@@ -226,13 +224,11 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
         step: int | None = None,
         meta: Mapping[str, Any] | None = None,
         on_full: OnFull | None = None,
-        coalesce: bool = False,
     ) -> bool:
         """Capture ``tensor``: copy it into the device ring, to be drained to the sink.
 
         Safe in a hook: no host sync, no allocation beyond a view of the ring. The copy
-        runs on the current stream; the tensor may be freed or overwritten afterwards,
-        unless ``coalesce``.
+        runs on the current stream; the tensor may be freed or overwritten afterwards.
 
         Args:
             tag: what this is (e.g. ``"layer_03/hidden"``); the index's ``tag``.
@@ -241,14 +237,9 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
             step: the training step, for the index (optional).
             meta: JSON-serialisable details for the index, serialised now (a snapshot).
             on_full: this capture's policy when the ring is full (default: the engine's).
-            coalesce: enqueue no copy now; copy it with the other coalesced captures in
-                one launch at the next flush point (:mod:`syncless.capture.coalesce`).
-                For small tensors that nothing writes before then, such as a forward
-                hook's outputs: one changed in place is dropped (``modified``).
 
         Returns:
-            True if the tensor is in the ring (it will be stored unless the sink fails)
-            or, coalesced, waits for its copy (drops at the flush point are counted);
+            True if the tensor is in the ring (it will be stored unless the sink fails),
             False if it was dropped (counted with its reason; see :meth:`dropped`).
 
         Raises:
@@ -265,13 +256,6 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
         meta_json = None if meta is None else _meta_json(meta)
         if self._shortfall.started is None:
             self._shortfall.started = time.monotonic()
-        if coalesce and coalescible(tensor):
-            stream = self._copier.current_stream()
-            item = Waiting(tag, step, tensor, tensor._version, nbytes, meta_json, policy, stream)
-            if self._coalescer.add(item):
-                self._flush_coalesced()
-            self._stats.capture(nbytes, False, (time.perf_counter_ns() - t0) / 1e6)
-            return True
         rec = self._reserve(tag, step, tensor, nbytes, meta_json, policy)
         if rec is not None:
             self._copy(rec, tensor)
@@ -336,12 +320,6 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
         self._drain.captured(rec.span)
 
     @hot_path
-    def _flush_coalesced(self) -> None:
-        """Copy every coalesced capture into the ring: one launch per stream."""
-        if len(self._coalescer):
-            copy_waiting(self._coalescer, self._reserve, self._copier, self._drain, self._stats)
-
-    @hot_path
     def _check_capture(self, tag: str, tensor: torch.Tensor, step: int | None) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"capture({tag!r}): expected a torch.Tensor, got {type(tensor)}")
@@ -374,7 +352,6 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
         :mod:`syncless.capture.boundary` for what is measured under replay).
         """
         t0 = time.perf_counter_ns()
-        self._flush_coalesced()  # the copies stay in the phase that made the tensors
         boundary, drain = self._boundary, self._drain
         boundary.advance(stream)
         if drain.plan is not None:  # a window copy waits for this boundary?

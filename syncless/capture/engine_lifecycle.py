@@ -9,7 +9,6 @@ end of a phase or of the run.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,12 +32,10 @@ class EngineLifecycle:
     """Windows, ``poll``, ``flush`` and ``close`` for
     :class:`~syncless.capture.engine.CaptureEngine`.
 
-    A mixin: the attributes below, ``_raise_errors``, ``_flush_coalesced`` and
-    ``report`` come from ``CaptureEngine.__init__``, :mod:`syncless.capture.engine` and
+    A mixin: the attributes below, ``_raise_errors`` and ``report`` come from
+    ``CaptureEngine.__init__``, :mod:`syncless.capture.engine` and
     :class:`~syncless.capture.engine_report.EngineReporting`.
     """
-
-    _flush_coalesced: Callable[[], None]
 
     _background: bool
     _closed: bool
@@ -107,7 +104,6 @@ class EngineLifecycle:
             self._raise_errors()
         if self._closed or self._drain.error is not None:
             return
-        self._flush_coalesced()
         self._drain.wait(self._drain.request("lifecycle"))
         if self._strict:
             self._raise_errors()
@@ -121,7 +117,6 @@ class EngineLifecycle:
         """
         if self._closed:
             return
-        self._flush_coalesced()  # before the queue refuses them (a dead drain: counted)
         self._closed = True
         self._queue.close()
         if self._drain.error is None:

@@ -10,7 +10,6 @@ time of the drain and writer threads). The counters themselves are kept by
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from syncless.capture.controller import GrantController
@@ -53,7 +52,6 @@ class EngineReporting:
     _writer: SinkWriter
     _ctl: GrantController
     _ctl_lock: threading.Lock
-    _flush_coalesced: Callable[[], None]
 
     def window_reports(self) -> list[WindowReport]:
         """What the engine reported for each recent window transfer (oldest first)."""
@@ -64,7 +62,6 @@ class EngineReporting:
         ``run`` as ``capture/step/*`` and ``capture/self/*`` step records."""
         if self._strict:
             self._raise_errors()
-        self._flush_coalesced()  # a step boundary is a flush point
         self._last_step = step
         self._stats.add2(
             "drain_cpu_ms",

@@ -44,16 +44,12 @@ class RingCopier:
         self._ring = ring
         self._device = ring.device
         self._typed: dict[torch.dtype, torch.Tensor] = {}
-        self._streams: dict[int, torch.cuda.Stream] = {}
         drv = driver() if ring.device.type == "cuda" else None
         self._ring_ptr = ring.data_ptr()
         self._memcpy = drv.memcpy_fn() if drv is not None else None
         if drv is not None and self._memcpy is not None:
             self._record = drv.record_fn()
-        cuda = ring.device.type == "cuda"
-        #: The raw CUstream current on the ring's device (0 on the CPU).
-        self.current_stream = current_raw_stream_fn(ring.device.index) if cuda else _no_stream
-        self._stream = self.current_stream
+            self._stream = current_raw_stream_fn(ring.device.index)
 
     @hot_path
     def copy(self, rec: Record, tensor: torch.Tensor, defer: bool = False) -> None:
@@ -85,39 +81,6 @@ class RingCopier:
         return True
 
     @hot_path
-    def copy_many(
-        self, recs: list[Record], tensors: list[torch.Tensor], stream: int, defer: bool
-    ) -> None:
-        """Coalesced captures (:mod:`syncless.capture.coalesce`): one
-        ``torch._foreach_copy_`` into their ring views on ``stream`` (a raw CUstream;
-        0 on the CPU), then one landing event after it for all (``defer``: left to the
-        drain, as for a single copy)."""
-        views = [self.view(rec) for rec in recs]
-        last = recs[-1]
-        defer = defer and self._memcpy is not None  # the drain records through the driver
-        with torch.no_grad():  # a source that requires grad must not put the ring in a graph
-            if self._device.type != "cuda":
-                torch._foreach_copy_(views, tensors)
-                return
-            with torch.cuda.stream(self._stream_object(stream)):
-                torch._foreach_copy_(views, tensors)
-                if not defer:
-                    last.event.record()
-        landed = None if defer else last.event
-        for rec in recs:
-            rec.landed, rec.stream, rec.mark = landed, stream, -1
-
-    def _stream_object(self, stream: int) -> torch.cuda.Stream:
-        """A torch stream over the raw handle ``stream``, made once per handle."""
-        current = torch.cuda.current_stream(self._device)
-        if current.cuda_stream == stream:
-            return current
-        known = self._streams.get(stream)
-        if known is None:
-            known = self._streams[stream] = torch.cuda.ExternalStream(stream, device=self._device)
-        return known
-
-    @hot_path
     def view(self, rec: Record) -> torch.Tensor:
         """The record's ring bytes as its dtype and shape: one ``as_strided`` of a view
         of the ring typed once per dtype, one torch call where a byte slice viewed twice
@@ -133,10 +96,6 @@ class RingCopier:
         return typed.as_strided(
             rec.shape, _contiguous_strides(rec.shape), rec.offset // dtype.itemsize
         )
-
-
-def _no_stream() -> int:
-    return 0
 
 
 @functools.lru_cache(maxsize=4096)

@@ -41,8 +41,6 @@ class DropReason(str, Enum):
     SINK_ERROR = "sink_error"
     #: the drain worker failed; records left in the ring were lost with it
     DRAIN_ERROR = "drain_error"
-    #: changed in place between ``capture(coalesce=True)`` and its copy
-    MODIFIED = "modified"
 
 
 _PER_RECORD = ("offered", "captured", "stored", *(f"dropped_{r.value}" for r in DropReason))
@@ -125,14 +123,6 @@ class CaptureStats:
             if captured:
                 values["captured_count"] += 1
                 values["captured_bytes"] += nbytes
-
-    @hot_path
-    def captured(self, count: int, nbytes: int) -> None:
-        """Coalesced captures copied into the ring at a flush point (offered earlier)."""
-        values = self._values
-        with self._lock:
-            values["captured_count"] += count
-            values["captured_bytes"] += nbytes
 
     @hot_path
     def drop(self, reason: DropReason, nbytes: int, count: int = 1) -> None:

@@ -36,7 +36,6 @@ def test_drop_accounting_under_a_full_ring_is_exact() -> None:
         "copy_error": 0,
         "sink_error": 0,
         "drain_error": 0,
-        "modified": 0,
     }
     c = engine.counters()
     assert c["dropped_ring_full_bytes"] == 36 * 64
