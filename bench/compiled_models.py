@@ -210,7 +210,7 @@ def summarize(state: CompiledState, args: argparse.Namespace, before, rounds, fa
     overhead = [r - 1 for r in round_ratios(rounds, "compiled-stack", "compiled-off")]
     label = f"compiled {stack_label(state.budget)} over compiled-off"
     if overhead:
-        rows[label] = f"{spread(overhead)} ({verdict(statistics.median(overhead), state.budget)})"
+        rows[label] = f"{spread(overhead)} ({verdict(overhead, state.budget)})"
         timed = state.counts.get(("compiled-stack", "timed"), ZERO)
         if timed.frames:
             kept = without_recompiles(state, rounds, "compiled-stack")

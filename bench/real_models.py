@@ -142,7 +142,7 @@ def summarize(
         med, lo, hi = statistics.median(est), min(est), max(est)
         rows[label] = f"{med * 100:+.2f}% [{lo * 100:+.2f}..{hi * 100:+.2f}] ({len(est)})"
         if mode == "stack":
-            rows[label] += f" ({verdict(med, state.budget)})"
+            rows[label] += f" ({verdict(est, state.budget)})"
         print(f"  {label:<40}{med * 100:>+8.2f}%{lo * 100:>+10.2f}..{hi * 100:+.2f}%{len(est):>8}")
     for mode, error in failed.items():
         label = stack_label(state.budget) if mode == "stack" else mode

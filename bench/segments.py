@@ -106,10 +106,18 @@ def stack_note(state: ModelState) -> str:
     return "stack: attached anew each segment (no pause/resume)"
 
 
-def verdict(overhead: float, budget: float) -> str:
-    """Issue #19's target for the default stack: its overhead within its budget."""
-    met = "met" if overhead <= budget else f"missed by {(overhead - budget) * 100:.2f} points"
-    return f"target <= {budget * 100:g}%: {met}"
+def verdict(overheads: list[float], budget: float) -> str:
+    """Issue #19's target for the default stack: its median overhead over the rounds
+    within its budget. A miss also says how widely the rounds spread: on a host-bound
+    step (the demo's) the spread can be many times the miss, which then says nothing."""
+    median = statistics.median(overheads)
+    if median <= budget:
+        return f"target <= {budget * 100:g}%: met"
+    miss, spread = median - budget, max(overheads) - min(overheads)
+    why = f"; the rounds spread {spread * 100:.2f} points"
+    if spread > 2 * miss:
+        why += ", over twice the miss: more rounds would be needed to tell"
+    return f"target <= {budget * 100:g}%: missed by {miss * 100:.2f} points{why}"
 
 
 def run_segment(
