@@ -2,11 +2,12 @@
 
 A capture point (a forward hook, a training loop) calls ``engine.capture(tag,
 tensor)``. That reserves space for the tensor in a preallocated device ring (host
-bookkeeping from its shape and dtype: no sync), copies it there device to device on
-the current stream and records an event that says when the copy has landed. A drain
-worker copies ready records, whole and oldest first, into a preallocated pinned
-staging ring on its own stream and hands them to the sink (safetensors shards plus a
-Parquet index in the run directory). When the framework declares recurring windows
+bookkeeping from its shape and dtype: no sync) and copies it there device to device on
+the current stream; an event says when the copy has landed (recorded by the drain for
+batched captures, :mod:`syncless.capture.landing`). A drain worker copies ready
+records, whole and oldest first, into a preallocated pinned staging ring on its own
+stream and hands them to the sink (safetensors shards plus a Parquet index in the run
+directory). When the framework declares recurring windows
 (:meth:`CaptureEngine.define_pattern`) and publishes boundaries from its stream
 (:meth:`CaptureEngine.advance_boundary`), the grant controller decides how many bytes
 each window carries and the drain copies only then.
