@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from results import append_result  # bench/ is on sys.path as a script
+from capture_host import times_us  # bench/ is on sys.path as a script
+from results import append_result
 
 from syncless.capture import CapturedRecord, CaptureEngine
 
@@ -91,14 +92,10 @@ def drain_run(
 
 
 def capture_host_us(device: torch.device, calls: int) -> float:
-    """Median host time of one capture() of a 4 KiB tensor into a roomy ring."""
+    """Median host time of one capture() of a 4 KiB tensor into a roomy ring (the
+    split of that time: bench/capture_host.py)."""
     engine = CaptureEngine(64 * MiB, 16 * MiB, NullSink(), device=device)
-    x = torch.randn(1024, device=device)
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter_ns()
-        engine.capture("small", x)
-        times.append((time.perf_counter_ns() - t0) / 1e3)
+    times = times_us(engine, torch.randn(1024, device=device), calls)
     engine.close()
     return statistics.median(times)
 

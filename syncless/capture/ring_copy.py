@@ -38,7 +38,7 @@ __all__ = ["RingCopier"]
 
 class RingCopier:
     """Copies a tensor into its record's slice of ``ring`` on the current stream and
-    records the record's event after it."""
+    records the record's event after it, unless the drain is to (``defer``)."""
 
     def __init__(self, ring: torch.Tensor) -> None:
         self._ring = ring
