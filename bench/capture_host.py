@@ -2,10 +2,13 @@
 
 The median and mean of one 4 KiB ``capture()`` on the current device (the mean carries
 the outliers: the drain taking the GIL, a garbage collection): an engine with its
-drain and writer threads (as in training), an inline engine (``background=False``: no
-other Python thread), and the inline engine with the copy skipped (its Python alone). The
-difference between the first two is what the engine's threads take from the training
-thread; between the second and third, the copy.
+drain and writer threads (as in training), the same with the copy deferred to the drain
+(``EngineConfig.defer_copy_below``: the drain's copies hold the GIL, so a loop of
+nothing but captures, a host-bound worst case, pays for them in the mean), an inline
+engine (``background=False``: no other Python thread), and the inline engine with the
+copy skipped (its Python alone). The difference between the first and the third is
+what the engine's threads take from the training thread; between the third and the
+fourth, the copy.
 
     python bench/capture_host.py       # CUDA; on the CPU it runs, numbers mean little
 """
@@ -31,7 +34,7 @@ def times_us(engine: CaptureEngine, x: torch.Tensor, calls: int) -> list[float]:
     return times
 
 
-def _landed_without_copy(rec, tensor, defer=False) -> None:
+def _landed_without_copy(rec, tensor, defer=False, defer_copy=False) -> None:
     """The copier's bookkeeping without its copy: the record counts as landed."""
     rec.landed, rec.mark = rec.event, -1
 
@@ -45,14 +48,15 @@ def main() -> None:
     x = torch.randn(1024, device=device)
     ring, staging = (1 << 30, 256 << 20) if device == "cuda" else (64 << 20, 16 << 20)
     rows = {}
-    for name, background, copy in (
-        ("threads", True, True),
-        ("inline", False, True),
-        ("inline, copy skipped", False, False),
+    for name, background, copy, defer in (
+        ("threads", True, True, 0),
+        ("threads, deferred", True, True, 1 << 20),
+        ("inline", False, True, 0),
+        ("inline, copy skipped", False, False, 0),
     ):
         # Slots for every call: an inline engine drains nothing while it is timed, and a
         # dropped capture (records_full) would be timed without its copy.
-        config = EngineConfig(max_records=2 * (args.calls + 500))
+        config = EngineConfig(max_records=2 * (args.calls + 500), defer_copy_below=defer)
         engine = CaptureEngine(
             ring, staging, MemorySink(), device=device, background=background, config=config
         )

@@ -17,8 +17,9 @@ Issue 23. Three measurements in one process:
    layer into a sink that discards: the D2H path and the engine's threads alone),
    ``disk-1`` (every layer into the safetensors sink, one writer), ``disk``
    (``--writers`` writers), ``disk-quarter`` (every fourth layer: a rate near what the
-   disk sustains) and ``mixed`` (every layer plus 16 rows of 4 KiB per layer, 256
-   small captures and 16 large per step, into the null sink). Per
+   disk sustains), ``mixed`` (every layer plus 16 rows of 4 KiB per layer, 256
+   small captures and 16 large per step, into the null sink) and ``mixed-deferred``
+   (the same, the small rows' copies deferred to the drain). Per
    mode: the step's overhead, the rate offered and stored, drops, the engine threads'
    CPU time, and ``capture()``'s host time per call, small and large apart.
 
@@ -46,7 +47,10 @@ from segments import ModelState, Segment, measure, round_overheads
 from syncless.capture import CaptureEngine, EngineConfig, SafetensorsSink
 
 MiB = 1 << 20
-MODES = ("off", "null", "disk-1", "disk", "disk-quarter", "mixed")
+MODES = ("off", "null", "disk-1", "disk", "disk-quarter", "mixed", "mixed-deferred")
+# mixed-deferred: the small rows' copies are left to the drain (EngineConfig.
+# defer_copy_below); the hidden states, 64 MiB each, are still copied at the call.
+DEFER_BELOW = 64 << 10
 
 
 def write_files(folder: Path, total: int, chunk: int, writers: int) -> tuple[float, float]:
@@ -123,13 +127,14 @@ class CaptureMode:
 
     def __init__(self, work, mode: str, args: argparse.Namespace, folder: Path) -> None:
         self.folder = folder
-        sink = NullSink() if mode in ("null", "mixed") else SafetensorsSink(folder)
+        mixed = mode.startswith("mixed")
+        sink = NullSink() if mode == "null" or mixed else SafetensorsSink(folder)
         writers = 1 if mode == "disk-1" else args.writers
-        self.engine = CaptureEngine(
-            args.ring_mb * MiB, args.staging_mb * MiB, sink, config=EngineConfig(writers=writers)
-        )
+        defer = DEFER_BELOW if mode == "mixed-deferred" else 0
+        config = EngineConfig(writers=writers, defer_copy_below=defer)
+        self.engine = CaptureEngine(args.ring_mb * MiB, args.staging_mb * MiB, sink, config=config)
         every = 4 if mode == "disk-quarter" else 1
-        self.small = args.small if mode == "mixed" else 0
+        self.small = args.small if mixed else 0
         self.times: dict[str, list[float]] = {"large": [], "small": []}
         self.step = 0
         self.hooks = [

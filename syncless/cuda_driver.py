@@ -33,8 +33,8 @@ _WRITE_VALUE_64 = 5  # CU_STREAM_MEM_OP_WRITE_VALUE_64
 
 class Driver:
     """``cuEventRecord``, ``cuEventElapsedTime``, ``cuMemcpyDtoDAsync``,
-    ``cuStreamWriteValue64``, ``cuStreamBatchMemOp`` (where the driver has it) and
-    ``cuMemHostGetDevicePointer``."""
+    ``cuStreamWriteValue64``, ``cuStreamBatchMemOp`` (where the driver has it),
+    ``cuStreamIsCapturing`` and ``cuMemHostGetDevicePointer``."""
 
     def __init__(self, lib: Any) -> None:
         self._record = lib.cuEventRecord
@@ -61,6 +61,9 @@ class Driver:
         if batch is not None:
             batch.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint]
         self._batch = batch
+        self._is_capturing = getattr(lib, "cuStreamIsCapturing", None)
+        if self._is_capturing is not None:
+            self._is_capturing.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 
     def event_record(self, event: int, stream: int) -> bool:
         """Record ``event`` (a ``CUevent``) on ``stream`` (a ``CUstream``)."""
@@ -76,6 +79,23 @@ class Driver:
         the capture engine's copy into its ring (a torch ``copy_`` releases the GIL);
         None where the driver lacks it."""
         return self._memcpy
+
+    def stream_capturing_fn(self) -> Callable[[int], bool]:
+        """``(stream) -> bool``: is ``stream`` being captured into a CUDA graph (or did
+        the driver not say)? For a thread that enqueues work on another thread's stream:
+        work enqueued during that thread's graph capture would become part of the graph
+        and run again at every replay. Without the call (a driver before CUDA 10),
+        always False."""
+        is_capturing = self._is_capturing
+        if is_capturing is None:
+            return lambda stream: False
+        status = ctypes.c_int()
+        status_ref = ctypes.byref(status)
+
+        def capturing(stream: int) -> bool:
+            return is_capturing(stream, status_ref) != 0 or status.value != 0
+
+        return capturing
 
     def write_fn(self) -> Any:
         """``cuStreamWriteValue64`` itself, ``(stream, address, value, flags) ->

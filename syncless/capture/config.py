@@ -80,6 +80,12 @@ class EngineConfig:
             ``advance_boundary()`` at the OPEN (None, the default: on CUDA, where a
             drain thread that reacts to the OPEN starts late on a host-bound step); on
             the CPU the launch is the copy itself, inside ``advance_boundary()``.
+        defer_copy_below: captures of fewer bytes leave their copy into the ring to
+            the drain, which enqueues it on the same stream at its next look (within
+            64 such captures or ``gather_interval_s``): the training thread then makes
+            no driver call. The tensor must stay unchanged until then. 0, the default,
+            defers none: whether that holds is the caller's to know (docs/capture.md,
+            "Deferred copies"); ``capture(defer=...)`` decides per call.
     """
 
     max_records: int = 4096
@@ -93,6 +99,7 @@ class EngineConfig:
     gather_interval_s: float = 0.02
     writers: int = 4
     planned_windows: bool | None = None
+    defer_copy_below: int = 0
 
     def __post_init__(self) -> None:
         positive_int(self.max_records, "EngineConfig.max_records")
@@ -109,6 +116,7 @@ class EngineConfig:
             positive_int(self.gather_bytes, "EngineConfig.gather_bytes")
         positive_float(self.gather_interval_s, "EngineConfig.gather_interval_s")
         positive_int(self.writers, "EngineConfig.writers")
+        positive_int(self.defer_copy_below, "EngineConfig.defer_copy_below", 0)
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:

@@ -28,18 +28,19 @@ from __future__ import annotations
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from syncless.capture.boundary import BoundaryClock
 from syncless.capture.controller import FlushKind, GrantController
-from syncless.capture.drain_batching import DrainBatching
+from syncless.capture.drain_batching import HELD_WAKE, DrainBatching
 from syncless.capture.drain_transfers import DrainTransfers
 from syncless.capture.drain_windows import DrainWindows, Plan
-from syncless.capture.records import RecordQueue
+from syncless.capture.records import Record, RecordQueue
 from syncless.capture.staging_copy import StagingCopier
-from syncless.capture.stats import CaptureStats
+from syncless.capture.stats import CaptureStats, DropReason
 from syncless.capture.window_reports import WindowReport, WindowReporter
 from syncless.capture.writer import SinkWriter
 from syncless.hot_path import hot_path
@@ -83,8 +84,10 @@ class DrainWorker:
         batch_bytes: int,
         reports: int = 4096,
         planned: bool = False,
+        copy_held: Callable[[Record], DropReason | None] | None = None,
     ) -> None:
         self._queue = queue
+        self._device = ring.device
         self._timeline = boundary.timeline
         self._ctl = controller
         self._ctl_lock = controller_lock
@@ -120,6 +123,7 @@ class DrainWorker:
             writer=writer,
             reporter=self._reporter,
             stats=stats,
+            copy_held=copy_held,
         )
         self._windows = DrainWindows(
             transfers=self._transfers,
@@ -262,20 +266,32 @@ class DrainWorker:
         self._wake.set()
 
     @hot_path
-    def captured(self, span: int) -> None:
-        """A record of ``span`` ring bytes was captured: wake the drain if enough piled
-        up (or always, for planned windows, which plan as soon as records are ready).
-        The unlocked count may lose an update to a race with the drain's reset; that
-        only delays the wake until the drain's next look, ``gather_s`` at most."""
+    def captured(self, span: int, held: bool = False) -> None:
+        """A record of ``span`` ring bytes was captured (``held``: its copy deferred to
+        the drain): wake the drain if enough piled up (or always, for planned windows,
+        which plan as soon as records are ready). The unlocked counts may lose an update
+        to a race with the drain's reset; that only delays the wake until the drain's
+        next look, ``gather_s`` at most."""
         batching = self._batching
         batching.gathered += span
-        if self._eager or batching.parked or batching.gathered >= batching.gather_bytes:
+        if held:
+            batching.held += 1
+        if (
+            self._eager
+            or batching.parked
+            or batching.gathered >= batching.gather_bytes
+            or batching.held >= HELD_WAKE
+        ):
             self._wake.set()
 
     # -- the loop ---------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
+            if self._device.type == "cuda":
+                # This thread's driver calls (deferred copies, landing events) need the
+                # device's context current; torch makes it so.
+                torch.cuda.set_device(self._device)
             while not self._stopping:
                 self._stats.add("drain_loops_count")
                 if not self.step():

@@ -22,6 +22,13 @@ __all__ = ["DrainBatching"]
 # wakes it): a bound on a lost wake-up, not a poll.
 _PARK_S = 0.1
 
+# Deferred copies (syncless.capture.ring_copy) wait for the drain's next look, holding
+# their tensors, and a change to one before then drops it: the drain looks once this
+# many are waiting (or ``gather_s`` after the oldest, as for any record) and enqueues
+# them all, whatever gathering says. A look per deferred capture would take the GIL
+# from the training thread per capture, which is what deferring saves it.
+HELD_WAKE = 64
+
 
 class DrainBatching:
     """The batching state of one :class:`~syncless.capture.drain.DrainWorker`, and the
@@ -62,11 +69,15 @@ class DrainBatching:
         self.gathered = 0  # bytes captured since the drain last looked
         self._gather_until: float | None = None  # monotonic end of the current gather
         self.parked = False  # no record waits: the next capture wakes the drain
+        self.held = 0  # deferred copies captured since the drain last enqueued them
 
     def batch(self, background: bool) -> bool:
         """Copy the oldest ready records, about a shard, once enough have gathered;
         True if anything moved."""
         transfers = self._transfers
+        if self.held:
+            self.held = 0
+            transfers.mark_landed()  # enqueue the deferred copies, gathered or not
         if transfers.send_oversized_head():
             return True
         if background and not self._gathered_enough():

@@ -11,13 +11,14 @@ writer; a window transfer then waits for its CLOSE
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from syncless.capture.boundary import Timeline
 from syncless.capture.controller import Grant
 from syncless.capture.landing import LandingMarks
 from syncless.capture.records import VOID, WRITTEN, Record, RecordQueue
 from syncless.capture.staging_copy import StagingCopier, Transfer
-from syncless.capture.stats import CaptureStats
+from syncless.capture.stats import CaptureStats, DropReason
 from syncless.capture.window_reports import WindowReporter
 from syncless.capture.writer import Batch, SinkWriter
 
@@ -40,6 +41,7 @@ class DrainTransfers:
         writer: SinkWriter,
         reporter: WindowReporter,
         stats: CaptureStats,
+        copy_held: Callable[[Record], DropReason | None] | None = None,
     ) -> None:
         self._queue = queue
         self._staging = staging
@@ -49,7 +51,9 @@ class DrainTransfers:
         self._stats = stats
         self.inflight: deque[Transfer] = deque()  # issued, oldest first
         self.inflight_records = 0  # ring records they cover (the oldest in the ring)
-        self._landing = LandingMarks(queue)
+        self._landing = LandingMarks(
+            queue, copy_held=copy_held, lost=lambda rec, why: stats.uncapture(why, rec.nbytes)
+        )
 
     # -- records ----------------------------------------------------------------------
 
@@ -57,8 +61,8 @@ class DrainTransfers:
         return self._landing.ready(rec)
 
     def mark_landed(self) -> None:
-        """Record the landing events captures left to the drain
-        (:mod:`syncless.capture.landing`); before looking at readiness."""
+        """Enqueue the copies captures deferred and record the landing events they left
+        to the drain (:mod:`syncless.capture.landing`); before looking at readiness."""
         self._landing.mark(self.inflight_records)
 
     def ready_prefix(

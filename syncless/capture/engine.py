@@ -24,7 +24,6 @@ construction (:mod:`syncless.capture.engine_setup`), windows, flush and close
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -45,7 +44,12 @@ from syncless.capture.controller import ControllerConfig, GrantController
 from syncless.capture.drain import DrainWorker
 from syncless.capture.engine_lifecycle import EngineLifecycle
 from syncless.capture.engine_report import EngineReporting
-from syncless.capture.engine_setup import check_sizes, event_factory, resolve_controller
+from syncless.capture.engine_setup import (
+    check_meta,
+    check_sizes,
+    event_factory,
+    resolve_controller,
+)
 from syncless.capture.records import VOID, WRITTEN, Record, RecordQueue
 from syncless.capture.ring_copy import RingCopier
 from syncless.capture.shortfall import Shortfall
@@ -165,7 +169,9 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
             gather_s=cfg.gather_interval_s,
             batch_bytes=shard_bytes,
             planned=self._cuda if cfg.planned_windows is None else cfg.planned_windows,
+            copy_held=self._copier.copy_held,
         )
+        self._defer_below = cfg.defer_copy_below
         self._shortfall = Shortfall(type(self._sink).__name__, writers, ring_bytes, staging_bytes)
         self._closed = False
         self._last_step = 0
@@ -225,11 +231,13 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
         step: int | None = None,
         meta: Mapping[str, Any] | None = None,
         on_full: OnFull | None = None,
+        defer: bool | None = None,
     ) -> bool:
         """Capture ``tensor``: copy it into the device ring, to be drained to the sink.
 
         Safe in a hook: no host sync, no allocation beyond a view of the ring. The copy
-        runs on the current stream; the tensor may be freed or overwritten afterwards.
+        runs on the current stream; the tensor may be freed or overwritten afterwards,
+        unless the copy is deferred (``defer``).
 
         Args:
             tag: what this is (e.g. ``"layer_03/hidden"``); the index's ``tag``.
@@ -238,6 +246,12 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
             step: the training step, for the index (optional).
             meta: JSON-serialisable details for the index, serialised now (a snapshot).
             on_full: this capture's policy when the ring is full (default: the engine's).
+            defer: leave the copy to the drain, which enqueues it on the same stream
+                later; the training thread then makes no driver call, but the tensor
+                must not change until then (a change its version counter shows drops
+                the record as ``changed``; docs/capture.md, "Deferred copies"). Default:
+                tensors under ``EngineConfig.defer_copy_below`` bytes. Only while the
+                drain batches (not in planned windows), for contiguous tensors.
 
         Returns:
             True if the tensor is in the ring (it will be stored unless the sink fails),
@@ -254,12 +268,16 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
         policy = self._on_full if on_full is None else check_on_full(on_full)
         self._check_capture(tag, tensor, step)
         nbytes = tensor.numel() * tensor.element_size()
-        meta_json = None if meta is None else _meta_json(meta)
+        if defer is None:
+            defer = nbytes < self._defer_below
+        elif not isinstance(defer, bool):
+            raise ValueError(f"capture({tag!r}): defer must be a bool or None, got {defer!r}")
+        meta_json = None if meta is None else check_meta(meta)
         if self._shortfall.started is None:
             self._shortfall.started = time.monotonic()
         rec = self._reserve(tag, step, tensor, nbytes, meta_json, policy)
         if rec is not None:
-            self._copy(rec, tensor)
+            self._copy(rec, tensor, defer)
         self._stats.capture(nbytes, rec is not None, (time.perf_counter_ns() - t0) / 1e6)
         return rec is not None
 
@@ -309,16 +327,16 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
         return rec, reason
 
     @hot_path
-    def _copy(self, rec: Record, tensor: torch.Tensor) -> None:
+    def _copy(self, rec: Record, tensor: torch.Tensor, defer: bool) -> None:
         try:
-            self._copier.copy(rec, tensor, self._drain.defer_landing)
+            self._copier.copy(rec, tensor, self._drain.defer_landing, defer)
         except BaseException:
             rec.state = VOID  # its ring space is released in order, its bytes ignored
             self._stats.drop(DropReason.COPY_ERROR, rec.nbytes)
             self._stats.capture(rec.nbytes, False, 0.0)
             raise
         rec.state = WRITTEN
-        self._drain.captured(rec.span)
+        self._drain.captured(rec.span, rec.source is not None)
 
     @hot_path
     def _check_capture(self, tag: str, tensor: torch.Tensor, step: int | None) -> None:
@@ -373,15 +391,3 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
             if err is not None:
                 owner.error = None  # raised once, like syncless.run's Parquet writer
                 raise RuntimeError(f"capture {type(owner).__name__} failed: {err!r}") from err
-
-
-def _meta_json(meta: Mapping[str, Any]) -> str:
-    if not isinstance(meta, Mapping):
-        raise ValueError(f"capture(): meta must be a mapping, got {type(meta).__name__}")
-    try:
-        return json.dumps(dict(meta), separators=(",", ":"))
-    except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"capture(): meta must be JSON-serialisable (numbers, strings, lists, dicts; "
-            f"not tensors, which would need a sync): {e}"
-        ) from None

@@ -8,6 +8,12 @@ every copy enqueued on it before, so one event covers them all. That saves the
 training thread a driver call per capture; the batching drain waits for the newest
 record it gathered anyway, so the event lands at about the same time.
 
+A deferred copy (``Record.source``, :mod:`syncless.capture.ring_copy`) is enqueued here
+too, on its capture's stream, just before that stream's landing event. Neither is
+enqueued on a stream that is being captured into a CUDA graph (the user's
+``torch.cuda.graph`` or ``torch.compile(mode="reduce-overhead")``): it would join the
+graph and run at every replay. Those records wait for the drain's next look.
+
 Used by the drain's thread only.
 """
 
@@ -18,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from syncless.capture.records import READY, RESERVED, VOID, WRITTEN, Record, RecordQueue
+from syncless.capture.stats import DropReason
 from syncless.cuda_driver import driver
 from syncless.guard import allow_sync
 
@@ -33,6 +40,12 @@ class LandingMarks:
             ``cuEventRecord``, looked up at the first deferred record).
         wait_device: waits for every stream, where the driver refused ``record``
             (default ``torch.cuda.synchronize``).
+        capturing: ``capturing(custream) -> bool``, is the stream in CUDA graph
+            capture (default: the driver's ``cuStreamIsCapturing``).
+        copy_held: enqueues a deferred copy and says why not, if it did not
+            (:meth:`RingCopier.copy_held <syncless.capture.ring_copy.RingCopier.
+            copy_held>`); required once a record holds its tensor.
+        lost: told of a deferred record that could not be copied (counts the drop).
     """
 
     def __init__(
@@ -40,10 +53,17 @@ class LandingMarks:
         queue: RecordQueue,
         record: Callable[[int, int], int] | None = None,
         wait_device: Callable[[], None] | None = None,
+        *,
+        capturing: Callable[[int], bool] | None = None,
+        copy_held: Callable[[Record], DropReason | None] | None = None,
+        lost: Callable[[Record, DropReason], None] | None = None,
     ) -> None:
         self._queue = queue
         self._record = record
         self._wait_device = wait_device or torch.cuda.synchronize
+        self._capturing = capturing
+        self._copy_held = copy_held
+        self._lost = lost
         self._marked_seq = -1  # every record up to this one has its landing event
         self._marks = 0  # landing events recorded by the drain so far (Record.mark)
         self._done: dict[int, int] = {}  # per stream, the newest mark seen complete
@@ -53,8 +73,8 @@ class LandingMarks:
         state = rec.state
         if state in (READY, VOID):
             return True
-        if state != WRITTEN:
-            return False  # still RESERVED: its copy is being enqueued right now
+        if state != WRITTEN or rec.source is not None:
+            return False  # its copy is being enqueued right now, or is deferred to mark()
         mark = rec.mark
         if rec.event is None or (mark >= 0 and mark <= self._done.get(rec.stream, -1)):
             rec.state = READY  # a CPU copy, or one a mark already seen complete covers
@@ -68,9 +88,9 @@ class LandingMarks:
         return True
 
     def mark(self, start: int) -> None:
-        """Record the landing events of deferred copies from the ``start``-th oldest
-        record on: per stream, one event after the newest. Cheap when nothing new was
-        captured since the last call."""
+        """Enqueue deferred copies and record the landing events of copies that have
+        none, from the ``start``-th oldest record on: per stream, one event after the
+        newest. Cheap when nothing new was captured since the last call."""
         queue = self._queue
         n = len(queue)
         if n == 0:
@@ -78,13 +98,21 @@ class LandingMarks:
         start = max(start, self._marked_seq + 1 - queue.peek(0).seq)
         newest: dict[int, Record] = {}
         pending: list[Record] = []
+        capturing: dict[int, bool] = {}  # per stream, for this look
         for i in range(start, n):
             rec = queue.peek(i)
             if rec.state == RESERVED:
                 break  # its copy is being enqueued right now: the next call marks it
-            if rec.state == WRITTEN and rec.landed is None and rec.event is not None:
-                newest[rec.stream] = rec
-                pending.append(rec)
+            if rec.state == WRITTEN and rec.landed is None:
+                cuda = rec.event is not None
+                if cuda and self._in_graph_capture(rec.stream, capturing):
+                    break  # not into the user's graph: the next look, after its capture
+                if rec.source is not None and not self._copy(rec):
+                    self._marked_seq = rec.seq
+                    continue
+                if cuda:
+                    newest[rec.stream] = rec
+                    pending.append(rec)
             self._marked_seq = rec.seq
         if not pending:
             return
@@ -102,6 +130,27 @@ class LandingMarks:
         if len(marks) < len(newest):
             self._land_by_sync([r for r in pending if r.stream not in marks])
 
+    def _in_graph_capture(self, stream: int, seen: dict[int, bool]) -> bool:
+        busy = seen.get(stream)
+        if busy is None:
+            if self._capturing is None:
+                drv = driver()
+                self._capturing = drv.stream_capturing_fn() if drv is not None else _never
+            busy = seen[stream] = self._capturing(stream)
+        return busy
+
+    def _copy(self, rec: Record) -> bool:
+        """Enqueue ``rec``'s deferred copy; False (and the record void) if it could not."""
+        if self._copy_held is None:
+            raise RuntimeError("a capture deferred its copy to a drain that cannot copy")
+        why = self._copy_held(rec)
+        if why is None:
+            return True
+        rec.state = VOID
+        if self._lost is not None:
+            self._lost(rec, why)
+        return False
+
     def _land_by_sync(self, records: list[Record]) -> None:
         """The driver refused an event on their stream (one destroyed since the
         capture?): wait for the whole device, on the drain's thread, instead."""
@@ -109,3 +158,7 @@ class LandingMarks:
             self._wait_device()
         for rec in records:
             rec.state = READY
+
+
+def _never(stream: int) -> bool:
+    return False

@@ -23,10 +23,11 @@ from syncless.hot_path import hot_path
 
 __all__ = ["READY", "RESERVED", "VOID", "WRITTEN", "Record", "RecordQueue"]
 
-# Slot states. RESERVED -> WRITTEN (copy enqueued; on CUDA an event marks when it lands,
-# recorded by the capture or later by the drain: Record.landed) -> READY (the drain saw
-# the copy complete) -> free. VOID: the copy raised; the bytes are
-# garbage and the record was counted as dropped, but its ring space is released in order.
+# Slot states. RESERVED -> WRITTEN (copy enqueued, or left to the drain: Record.source;
+# on CUDA an event marks when it lands, recorded by the capture or later by the drain:
+# Record.landed) -> READY (the drain saw the copy complete) -> free. VOID: the copy
+# raised, or a deferred copy's tensor changed first; the bytes are garbage and the
+# record was counted as dropped, but its ring space is released in order.
 RESERVED = 1
 WRITTEN = 2
 READY = 3
@@ -45,13 +46,16 @@ class Record:
         "meta",
         "nbytes",
         "offset",
+        "ptr",
         "seq",
         "shape",
+        "source",
         "span",
         "state",
         "step",
         "stream",
         "tag",
+        "version",
     )
 
     def __init__(self, event: Any) -> None:
@@ -65,6 +69,12 @@ class Record:
         self.landed: Any = None
         self.mark = -1
         self.stream = 0  # the raw CUstream the copy was enqueued on
+        # A deferred copy (syncless.capture.ring_copy): the tensor, held until the drain
+        # enqueues its copy on ``stream``, and its version counter and address at the
+        # capture, which say whether it changed in between. None once copied.
+        self.source: torch.Tensor | None = None
+        self.version = 0
+        self.ptr = 0
         self.seq = -1
         self.tag = ""
         self.step: int | None = None
@@ -175,7 +185,7 @@ class RecordQueue:
                         f"{(rec.offset, rec.span)} for record {rec.seq}"
                     )
                 rec.state = 0
-                rec.meta = None  # drop references the slot no longer needs
+                rec.meta = rec.source = None  # drop references the slot no longer needs
                 self._head = (self._head + 1) % len(self._slots)
                 self._count -= 1
 

@@ -21,15 +21,27 @@ for the newest record it gathered anyway, so that event lands at about the same 
 and the training thread makes one driver call per capture instead of two. The engine
 defers only while the drain batches: in planned windows a late event could also cover
 a collective the host enqueued after the capture, and hold the record past its window.
+
+``defer_copy`` (:class:`~syncless.capture.config.EngineConfig`'s ``defer_copy_below``,
+or ``capture(defer=True)``): the training thread makes no driver call at all. The
+record keeps the tensor, its version counter and its address (:meth:`RingCopier.hold`),
+and the drain enqueues the copy later, on the same stream, before it records the
+landing event (:meth:`RingCopier.copy_held`). Nothing can free the tensor meanwhile,
+but the training thread can change it: a change its version counter or address shows
+drops the record (``changed``); one they do not show (an in-place collective, a write
+through ``.data`` or a raw pointer) is copied as changed. So it is the caller's choice,
+off by default: see docs/capture.md, "Deferred copies".
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
 
 from syncless.capture.records import Record
+from syncless.capture.stats import DropReason
 from syncless.cuda_driver import current_raw_stream_fn, driver
 from syncless.hot_path import hot_path
 
@@ -44,17 +56,29 @@ class RingCopier:
         self._ring = ring
         self._device = ring.device
         self._typed: dict[torch.dtype, torch.Tensor] = {}
-        drv = driver() if ring.device.type == "cuda" else None
+        cuda = ring.device.type == "cuda"
+        drv = driver() if cuda else None
         self._ring_ptr = ring.data_ptr()
         self._memcpy = drv.memcpy_fn() if drv is not None else None
         if drv is not None and self._memcpy is not None:
             self._record = drv.record_fn()
             self._stream = current_raw_stream_fn(ring.device.index)
+        # Deferred copies: the driver's on CUDA; on the CPU a memmove on the drain's
+        # thread (ctypes releases the GIL around it), which saves a training thread the
+        # copy as well.
+        self._held_copy = self._memcpy if cuda else _host_copy
+        if not cuda:
+            self._stream = _no_stream
 
     @hot_path
-    def copy(self, rec: Record, tensor: torch.Tensor, defer: bool = False) -> None:
-        """Enqueue the copy; on CUDA set ``rec.landed`` (``None`` when ``defer`` left
-        its event to the drain, see the module docstring)."""
+    def copy(
+        self, rec: Record, tensor: torch.Tensor, defer: bool = False, defer_copy: bool = False
+    ) -> None:
+        """Enqueue the copy, or with ``defer_copy`` (and ``defer``) leave it to the drain
+        where it can (:meth:`hold`); on CUDA set ``rec.landed`` (``None`` when ``defer``
+        left its event to the drain, see the module docstring)."""
+        if defer_copy and defer and self._held_copy is not None and self.hold(rec, tensor):
+            return
         if self._memcpy is not None and self._driver_copy(rec, tensor, defer):
             return
         self.view(rec).copy_(tensor.detach())
@@ -81,6 +105,33 @@ class RingCopier:
         return True
 
     @hot_path
+    def hold(self, rec: Record, tensor: torch.Tensor) -> bool:
+        """A deferred copy: keep the tensor, its version counter and address in the
+        record, for :meth:`copy_held` on the drain's thread; False where the driver
+        could not copy it flat, or where an inference tensor has no version counter to
+        tell a change by."""
+        if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+            return False
+        if tensor.is_inference():
+            return False
+        rec.source = tensor
+        rec.version = tensor._version
+        rec.ptr = tensor.data_ptr()
+        rec.landed, rec.stream, rec.mark = None, self._stream(), -1
+        return True
+
+    def copy_held(self, rec: Record) -> DropReason | None:
+        """Enqueue a deferred copy on the stream it was captured on, from the drain's
+        thread, and let go of the tensor; why it was not copied, if it was not."""
+        source, rec.source = rec.source, None
+        if source is None or source._version != rec.version or source.data_ptr() != rec.ptr:
+            return DropReason.CHANGED
+        n = rec.nbytes
+        if n and self._held_copy(self._ring_ptr + rec.offset, rec.ptr, n, rec.stream) != 0:
+            return DropReason.COPY_ERROR
+        return None
+
+    @hot_path
     def view(self, rec: Record) -> torch.Tensor:
         """The record's ring bytes as its dtype and shape: one ``as_strided`` of a view
         of the ring typed once per dtype, one torch call where a byte slice viewed twice
@@ -96,6 +147,15 @@ class RingCopier:
         return typed.as_strided(
             rec.shape, _contiguous_strides(rec.shape), rec.offset // dtype.itemsize
         )
+
+
+def _host_copy(dst: int, src: int, nbytes: int, stream: int) -> int:
+    ctypes.memmove(dst, src, nbytes)
+    return 0
+
+
+def _no_stream() -> int:
+    return 0
 
 
 @functools.lru_cache(maxsize=4096)

@@ -35,8 +35,12 @@ class DropReason(str, Enum):
     OVERSIZED = "oversized"
     #: captured after ``close()``
     CLOSED = "closed"
-    #: the device-to-device copy into the ring raised (the error is re-raised too)
+    #: the device-to-device copy into the ring raised (the error is re-raised too), or
+    #: the driver refused a deferred copy
     COPY_ERROR = "copy_error"
+    #: a deferred copy's tensor changed in place, or lost its storage, before the drain
+    #: copied it (its version counter or address moved)
+    CHANGED = "changed"
     #: the sink raised while writing it
     SINK_ERROR = "sink_error"
     #: the drain worker failed; records left in the ring were lost with it
@@ -123,6 +127,16 @@ class CaptureStats:
             if captured:
                 values["captured_count"] += 1
                 values["captured_bytes"] += nbytes
+
+    def uncapture(self, reason: DropReason, nbytes: int) -> None:
+        """A record counted as captured is lost after all (a deferred copy)."""
+        key = reason.value
+        values = self._values
+        with self._lock:
+            values["captured_count"] -= 1
+            values["captured_bytes"] -= nbytes
+            values[f"dropped_{key}_count"] += 1
+            values[f"dropped_{key}_bytes"] += nbytes
 
     @hot_path
     def drop(self, reason: DropReason, nbytes: int, count: int = 1) -> None:

@@ -60,3 +60,23 @@ def test_write_pair_is_none_without_the_batch_call() -> None:
         cuMemHostGetDevicePointer_v2=_c_function(),
     )
     assert Driver(lib).write_pair_fn(16, 32) is None
+
+
+def test_stream_capturing_reads_the_drivers_status_and_treats_an_error_as_capturing() -> None:
+    status = {1: 0, 2: 1, 3: 2}  # none, active, invalidated (cuda.h)
+
+    def is_capturing(stream, status_ref):
+        if stream not in status:
+            return 400  # CUDA_ERROR_INVALID_HANDLE
+        status_ref._obj.value = status[stream]
+        return 0
+
+    lib = SimpleNamespace(
+        cuEventRecord=_c_function(),
+        cuEventElapsedTime=_c_function(),
+        cuStreamWriteValue64_v2=_c_function(),
+        cuMemHostGetDevicePointer_v2=_c_function(),
+        cuStreamIsCapturing=is_capturing,
+    )
+    capturing = Driver(lib).stream_capturing_fn()
+    assert [capturing(s) for s in (1, 2, 3, 4, 1)] == [False, True, True, True, False]

@@ -34,6 +34,7 @@ def test_drop_accounting_under_a_full_ring_is_exact() -> None:
         "oversized": 1,
         "closed": 0,
         "copy_error": 0,
+        "changed": 0,
         "sink_error": 0,
         "drain_error": 0,
     }

@@ -9,7 +9,8 @@ import itertools
 import torch
 
 from syncless.capture.landing import LandingMarks
-from syncless.capture.records import READY, WRITTEN, RecordQueue
+from syncless.capture.records import READY, VOID, WRITTEN, Record, RecordQueue
+from syncless.capture.stats import DropReason
 
 
 class FakeEvent:
@@ -50,11 +51,11 @@ class FakeDriver:
         self.waits += 1
 
 
-def make(slots: int = 8, refuse: tuple[int, ...] = ()):
+def make(slots: int = 8, refuse: tuple[int, ...] = (), **kwargs):
     handles = itertools.count(100)
     drv = FakeDriver(refuse)
     queue = RecordQueue(1 << 16, 256, slots, lambda: drv.event(next(handles)))
-    return queue, drv, LandingMarks(queue, drv.record, drv.wait)
+    return queue, drv, LandingMarks(queue, drv.record, drv.wait, **kwargs)
 
 
 def capture(queue: RecordQueue, stream: int | None, *, written: bool = True):
@@ -130,3 +131,47 @@ def test_a_refused_record_waits_for_the_device_on_the_drain() -> None:
     marks.mark(0)
     assert drv.waits == 1 and refused.state == READY and marks.ready(refused)
     assert not marks.ready(ok)
+
+
+def test_no_event_is_recorded_on_a_stream_in_graph_capture_until_it_ends() -> None:
+    in_capture = {9}
+    queue, drv, marks = make(capturing=lambda stream: stream in in_capture)
+    first, captured, after = capture(queue, 7), capture(queue, 9), capture(queue, 7)
+    marks.mark(0)
+    # Stream 9 is being captured: its record, and every one after it, wait (in order).
+    assert drv.calls == [(first.handle, 7)]
+    in_capture.clear()
+    marks.mark(0)
+    assert drv.calls[1:] == [(captured.handle, 9), (after.handle, 7)]
+
+
+def test_deferred_copies_go_before_their_streams_landing_event() -> None:
+    log: list[tuple] = []
+    lost: list[tuple[int, DropReason]] = []
+
+    def copy_held(rec: Record) -> DropReason | None:
+        log.append(("copy", rec.seq, rec.stream))
+        rec.source = None
+        return DropReason.CHANGED if rec.seq == 2 else None
+
+    queue, drv, marks = make(copy_held=copy_held, lost=lambda r, why: lost.append((r.seq, why)))
+    recs = [capture(queue, 7 if i % 2 == 0 else 9) for i in range(4)]
+    for rec in recs:
+        rec.source = torch.zeros(4)  # held: the drain is to copy it
+    assert not any(marks.ready(r) for r in recs)  # never ready before its copy
+    drv.calls = log  # one log for copies and event records, in call order
+    marks.mark(0)
+    assert log == [
+        ("copy", 0, 7),
+        ("copy", 1, 9),
+        ("copy", 2, 7),  # changed: void, counted as lost, covered by no event
+        ("copy", 3, 9),
+        (recs[0].handle, 7),
+        (recs[3].handle, 9),
+    ]
+    assert lost == [(2, DropReason.CHANGED)] and recs[2].state == VOID
+    assert marks.ready(recs[2])  # a void record is released in order, bytes ignored
+    recs[0].event.done = recs[3].event.done = True
+    assert all(marks.ready(r) for r in recs)
+    marks.mark(0)
+    assert len(log) == 6  # copied once

@@ -1,0 +1,89 @@
+"""Deferred copies on CUDA: the drain enqueues the driver's copy on the capture's stream
+(needs a GPU). Ground truth: clones taken on the producing stream at the capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from syncless.capture import CaptureEngine, EngineConfig, MemorySink
+from syncless.cuda_driver import driver
+from syncless.guard import no_sync
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_held_copies_land_in_order_on_the_capture_stream(background: bool) -> None:
+    sink = MemorySink()
+    engine = CaptureEngine(
+        64 << 20,
+        8 << 20,
+        sink,
+        background=background,
+        config=EngineConfig(defer_copy_below=64 << 10, gather_interval_s=0.001),
+    )
+    side = torch.cuda.Stream()
+    base = torch.randn(1024, 1024, device="cuda")
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 64), torch.nn.GELU()).cuda()
+    want: list[torch.Tensor] = []
+
+    def hook(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
+        assert engine.capture("gelu", out)
+        want.append(out.detach().clone())
+
+    model[1].register_forward_hook(hook)
+    with no_sync(), torch.cuda.stream(side):
+        for step in range(200):
+            a = base
+            for _ in range(2):  # device work still running when the capture returns
+                a = (a @ base).tanh_()
+            with torch.no_grad():
+                model(a[:8])  # 8 x 64 floats: 2 KiB, deferred
+            engine.capture("row", a[step % 1024], step=step)  # 4 KiB, deferred
+            want.append(a[step % 1024].clone())
+            engine.capture("big", a)  # 4 MiB: copied at the call
+            want.append(a.clone())
+            if not background and step % 50 == 49:
+                engine.poll()
+    side.synchronize()
+    engine.close()
+    got = [r.tensor() for r in sink.records]
+    assert len(got) == len(want) == 600
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w.cpu())
+    assert sum(engine.dropped().values()) == 0
+
+
+def test_a_change_before_the_drains_look_drops_a_held_copy() -> None:
+    engine = CaptureEngine(
+        16 << 20,
+        4 << 20,
+        MemorySink(),
+        background=False,
+        config=EngineConfig(defer_copy_below=1024),
+    )
+    x = torch.arange(64.0, device="cuda")
+    with no_sync():
+        engine.capture("x", x)
+        engine.capture("y", x * 2)
+        x.relu_()  # in place: the version counter moves
+    engine.close()
+    assert engine.dropped()["changed"] == 1
+    (rec,) = engine.sink.records  # type: ignore[attr-defined]
+    assert rec.tag == "y" and torch.equal(rec.tensor(), torch.arange(64.0) * 2)
+
+
+def test_stream_capturing_sees_a_cuda_graph_capture() -> None:
+    capturing = driver().stream_capturing_fn()
+    stream = torch.cuda.Stream()
+    x = torch.ones(8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    assert not capturing(stream.cuda_stream)
+    with torch.cuda.graph(graph, stream=stream):
+        seen = capturing(stream.cuda_stream)
+        x.mul_(2)
+    assert seen and not capturing(stream.cuda_stream)
