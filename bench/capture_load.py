@@ -18,8 +18,9 @@ Issue 23. Three measurements in one process:
    ``disk-1`` (every layer into the safetensors sink, one writer), ``disk``
    (``--writers`` writers), ``disk-quarter`` (every fourth layer: a rate near what the
    disk sustains), ``mixed`` (every layer plus 16 rows of 4 KiB per layer, 256
-   small captures and 16 large per step, into the null sink) and ``mixed-deferred``
-   (the same, the small rows' copies deferred to the drain). Per
+   small captures and 16 large per step, into the null sink), ``mixed-deferred`` (the
+   same, the small rows' copies deferred to the drain) and ``mixed-all-deferred``
+   (every copy deferred). Per
    mode: the step's overhead, the rate offered and stored, drops, the engine threads'
    CPU time, and ``capture()``'s host time per call, small and large apart.
 
@@ -47,10 +48,20 @@ from segments import ModelState, Segment, measure, round_overheads
 from syncless.capture import CaptureEngine, EngineConfig, SafetensorsSink
 
 MiB = 1 << 20
-MODES = ("off", "null", "disk-1", "disk", "disk-quarter", "mixed", "mixed-deferred")
-# mixed-deferred: the small rows' copies are left to the drain (EngineConfig.
-# defer_copy_below); the hidden states, 64 MiB each, are still copied at the call.
-DEFER_BELOW = 64 << 10
+MODES = (
+    "off",
+    "null",
+    "disk-1",
+    "disk",
+    "disk-quarter",
+    "mixed",
+    "mixed-deferred",
+    "mixed-all-deferred",
+)
+# Copies left to the drain (EngineConfig.defer_copy_below): mixed-deferred, the small
+# rows' (the hidden states, 64 MiB each, are copied at the call); mixed-all-deferred,
+# every one.
+DEFER_BELOW = {"mixed-deferred": 64 << 10, "mixed-all-deferred": 1 << 62}
 
 
 def write_files(folder: Path, total: int, chunk: int, writers: int) -> tuple[float, float]:
@@ -130,7 +141,7 @@ class CaptureMode:
         mixed = mode.startswith("mixed")
         sink = NullSink() if mode == "null" or mixed else SafetensorsSink(folder)
         writers = 1 if mode == "disk-1" else args.writers
-        defer = DEFER_BELOW if mode == "mixed-deferred" else 0
+        defer = DEFER_BELOW.get(mode, 0)
         config = EngineConfig(writers=writers, defer_copy_below=defer)
         self.engine = CaptureEngine(args.ring_mb * MiB, args.staging_mb * MiB, sink, config=config)
         every = 4 if mode == "disk-quarter" else 1
