@@ -19,11 +19,14 @@ pytestmark = [
 @pytest.mark.parametrize("background", [True, False])
 def test_held_copies_land_in_order_on_the_capture_stream(background: bool) -> None:
     sink = MemorySink()
+    # The host outruns the drain by far (4 MiB per step of microseconds): a full ring
+    # waits rather than drops, so every capture is stored and compared.
     engine = CaptureEngine(
-        64 << 20,
-        8 << 20,
+        256 << 20,
+        16 << 20,
         sink,
         background=background,
+        on_full="block",
         config=EngineConfig(defer_copy_below=64 << 10, gather_interval_s=0.001),
     )
     side = torch.cuda.Stream()
