@@ -52,6 +52,8 @@ class FakeDriver:
 
 
 def make(slots: int = 8, refuse: tuple[int, ...] = (), **kwargs):
+    # The streams here are made-up ints: never let the real cuStreamIsCapturing see them.
+    kwargs.setdefault("capturing", lambda stream: False)
     handles = itertools.count(100)
     drv = FakeDriver(refuse)
     queue = RecordQueue(1 << 16, 256, slots, lambda: drv.event(next(handles)))
