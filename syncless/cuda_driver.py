@@ -29,6 +29,7 @@ _U64 = (1 << 64) - 1
 # a 64-bit write is {operation: u32 (padded), address, value64, flags: u32, alias}.
 _PARAM_WORDS = 6
 _WRITE_VALUE_64 = 5  # CU_STREAM_MEM_OP_WRITE_VALUE_64
+_CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED
 
 
 class Driver:
@@ -37,6 +38,7 @@ class Driver:
     ``cuStreamIsCapturing`` and ``cuMemHostGetDevicePointer``."""
 
     def __init__(self, lib: Any) -> None:
+        self._lib = lib
         self._record = lib.cuEventRecord
         self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         # CUDA 12.8 added _v2 (and 13 keeps only it in its headers); either has this ABI.
@@ -96,6 +98,19 @@ class Driver:
             return is_capturing(stream, status_ref) != 0 or status.value != 0
 
         return capturing
+
+    def relax_capture_mode(self) -> bool:
+        """Put the calling thread in relaxed stream-capture mode
+        (``cuThreadExchangeStreamCaptureMode``). Under a CUDA graph captured in global
+        mode (``torch.cuda.graph``'s default), a call that might sync (an event query, a
+        copy into pinned memory) from any thread in the default mode invalidates the
+        capture; a background thread that never enqueues on the capturing stream can
+        make them safely. Whether the driver took it."""
+        fn = getattr(self._lib, "cuThreadExchangeStreamCaptureMode", None)
+        if fn is None:
+            return False
+        mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
+        return fn(ctypes.byref(mode)) == 0
 
     def write_fn(self) -> Any:
         """``cuStreamWriteValue64`` itself, ``(stream, address, value, flags) ->

@@ -43,6 +43,7 @@ from syncless.capture.staging_copy import StagingCopier
 from syncless.capture.stats import CaptureStats, DropReason
 from syncless.capture.window_reports import WindowReport, WindowReporter
 from syncless.capture.writer import SinkWriter
+from syncless.cuda_driver import driver
 from syncless.hot_path import hot_path
 
 __all__ = ["DrainWorker", "WindowReport"]
@@ -290,8 +291,13 @@ class DrainWorker:
         try:
             if self._device.type == "cuda":
                 # This thread's driver calls (deferred copies, landing events) need the
-                # device's context current; torch makes it so.
+                # device's context current; torch makes it so. Relaxed capture mode: its
+                # event queries and copies must not invalidate a CUDA graph the training
+                # thread captures meanwhile (it never enqueues on a capturing stream).
                 torch.cuda.set_device(self._device)
+                drv = driver()
+                if drv is not None:
+                    drv.relax_capture_mode()
             while not self._stopping:
                 self._stats.add("drain_loops_count")
                 if not self.step():

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -90,3 +92,39 @@ def test_stream_capturing_sees_a_cuda_graph_capture() -> None:
         seen = capturing(stream.cuda_stream)
         x.mul_(2)
     assert seen and not capturing(stream.cuda_stream)
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_a_cuda_graph_captured_while_the_drain_works_stays_valid(defer: bool) -> None:
+    """Records wait in the engine (held copies, or landing events the drain is to
+    record) on the very stream the training thread then captures a graph on. The drain,
+    looking every millisecond meanwhile, must neither enqueue on that stream (the work
+    would join the graph) nor make a call that invalidates the capture."""
+    engine = CaptureEngine(
+        64 << 20,
+        8 << 20,
+        MemorySink(),
+        config=EngineConfig(defer_copy_below=1 << 20 if defer else 0, gather_interval_s=1e-3),
+    )
+    stream = torch.cuda.Stream()
+    x = torch.arange(1024.0, device="cuda")
+    with torch.cuda.stream(stream):
+        want = [torch.full((256,), float(i), device="cuda") for i in range(300)]
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with no_sync(), torch.cuda.stream(stream):
+        for i, t in enumerate(want):
+            assert engine.capture(f"t{i}", t, step=i)
+    with torch.cuda.graph(graph, stream=stream):
+        y = x * 2
+        for _ in range(20):  # about 20 ms of capture while the drain looks
+            y = y + 0
+            time.sleep(1e-3)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    engine.close()
+    assert torch.equal(y, x * 2)
+    got = [r.tensor() for r in engine.sink.records]  # type: ignore[attr-defined]
+    assert len(got) == len(want) and sum(engine.dropped().values()) == 0
+    assert all(torch.equal(g, w.cpu()) for g, w in zip(got, want, strict=True))
