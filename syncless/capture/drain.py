@@ -277,13 +277,16 @@ class DrainWorker:
         batching.gathered += span
         if held:
             batching.held += 1
+        wake = self._wake
+        if wake.is_set():
+            return  # set() would take its lock anyway: 4.58 -> 3.40 us a capture (CPU, inline)
         if (
             self._eager
             or batching.parked
             or batching.gathered >= batching.gather_bytes
             or batching.held >= HELD_WAKE
         ):
-            self._wake.set()
+            wake.set()
 
     # -- the loop ---------------------------------------------------------------------
 
