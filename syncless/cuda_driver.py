@@ -30,6 +30,23 @@ _U64 = (1 << 64) - 1
 _PARAM_WORDS = 6
 _WRITE_VALUE_64 = 5  # CU_STREAM_MEM_OP_WRITE_VALUE_64
 _CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED
+_SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+_LOCATION_DEVICE = 1  # CU_MEM_LOCATION_TYPE_DEVICE
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    """``CUmemcpyAttributes_v1`` (cuda.h, CUDA 12.8+)."""
+
+    _fields_ = [
+        ("src_access_order", ctypes.c_int),
+        ("src_location", _MemLocation),
+        ("dst_location", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
 
 
 class Driver:
@@ -81,6 +98,40 @@ class Driver:
         the capture engine's copy into its ring (a torch ``copy_`` releases the GIL);
         None where the driver lacks it."""
         return self._memcpy
+
+    def memcpy_batch_fn(
+        self, device: int
+    ) -> Callable[[list[int], list[int], list[int], int], int] | None:
+        """``(dsts, srcs, sizes, stream) -> CUresult``: device-to-device copies of
+        ``device`` in one ``cuMemcpyBatchAsync``, in stream order as a whole (in no
+        order among themselves); None where the driver lacks it (before CUDA 12.8).
+        One call for the drain's held copies of a look instead of one call each."""
+        batch = getattr(self._lib, "cuMemcpyBatchAsync_v2", None)
+        with_fail_index = batch is None  # CUDA 12.8's ABI: a failIdx before the stream
+        if batch is None:
+            batch = getattr(self._lib, "cuMemcpyBatchAsync", None)
+        if batch is None:
+            return None
+        pointers = [ctypes.c_void_p] * 3
+        tail = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        tail += [ctypes.c_void_p, ctypes.c_void_p] if with_fail_index else [ctypes.c_void_p]
+        batch.argtypes = [*pointers, ctypes.c_size_t, *tail]
+        location = _MemLocation(_LOCATION_DEVICE, device)
+        attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, location, location, 0)
+        attrs_ref = ctypes.byref(attrs)
+        first = (ctypes.c_size_t * 1)(0)
+        fail_index = ctypes.c_size_t()
+        fail_ref = ctypes.byref(fail_index)
+
+        def copy_batch(dsts: list[int], srcs: list[int], sizes: list[int], stream: int) -> int:
+            n = len(dsts)
+            words = ctypes.c_uint64 * n
+            args = (words(*dsts), words(*srcs), (ctypes.c_size_t * n)(*sizes), n, attrs_ref)
+            if with_fail_index:
+                return batch(*args, first, 1, fail_ref, stream)
+            return batch(*args, first, 1, stream)
+
+        return copy_batch
 
     def stream_capturing_fn(self) -> Callable[[int], bool]:
         """``(stream) -> bool``: is ``stream`` being captured into a CUDA graph (or did

@@ -85,7 +85,7 @@ class DrainWorker:
         batch_bytes: int,
         reports: int = 4096,
         planned: bool = False,
-        copy_held: Callable[[Record], DropReason | None] | None = None,
+        copy_held: Callable[[list[Record]], list[DropReason | None]] | None = None,
     ) -> None:
         self._queue = queue
         self._device = ring.device

@@ -41,7 +41,7 @@ class DrainTransfers:
         writer: SinkWriter,
         reporter: WindowReporter,
         stats: CaptureStats,
-        copy_held: Callable[[Record], DropReason | None] | None = None,
+        copy_held: Callable[[list[Record]], list[DropReason | None]] | None = None,
     ) -> None:
         self._queue = queue
         self._staging = staging

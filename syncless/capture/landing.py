@@ -42,9 +42,9 @@ class LandingMarks:
             (default ``torch.cuda.synchronize``).
         capturing: ``capturing(custream) -> bool``, is the stream in CUDA graph
             capture (default: the driver's ``cuStreamIsCapturing``).
-        copy_held: enqueues a deferred copy and says why not, if it did not
-            (:meth:`RingCopier.copy_held <syncless.capture.ring_copy.RingCopier.
-            copy_held>`); required once a record holds its tensor.
+        copy_held: enqueues one stream's deferred copies and says, per record, why
+            not, if it did not (:meth:`RingCopier.copy_held <syncless.capture.ring_copy.
+            RingCopier.copy_held>`); required once a record holds its tensor.
         lost: told of a deferred record that could not be copied (counts the drop).
     """
 
@@ -55,7 +55,7 @@ class LandingMarks:
         wait_device: Callable[[], None] | None = None,
         *,
         capturing: Callable[[int], bool] | None = None,
-        copy_held: Callable[[Record], DropReason | None] | None = None,
+        copy_held: Callable[[list[Record]], list[DropReason | None]] | None = None,
         lost: Callable[[Record, DropReason], None] | None = None,
     ) -> None:
         self._queue = queue
@@ -96,8 +96,8 @@ class LandingMarks:
         if n == 0:
             return
         start = max(start, self._marked_seq + 1 - queue.peek(0).seq)
-        newest: dict[int, Record] = {}
-        pending: list[Record] = []
+        held: dict[int, list[Record]] = {}  # deferred copies to enqueue, per stream
+        pending: list[Record] = []  # copies to record landing events for
         capturing: dict[int, bool] = {}  # per stream, for this look
         for i in range(start, n):
             rec = queue.peek(i)
@@ -107,15 +107,20 @@ class LandingMarks:
                 cuda = rec.event is not None
                 if cuda and self._in_graph_capture(rec.stream, capturing):
                     break  # not into the user's graph: the next look, after its capture
-                if rec.source is not None and not self._copy(rec):
-                    self._marked_seq = rec.seq
-                    continue
-                if cuda:
-                    newest[rec.stream] = rec
+                if rec.source is not None:
+                    held.setdefault(rec.stream, []).append(rec)
+                elif cuda:
                     pending.append(rec)
             self._marked_seq = rec.seq
+        for records in held.values():
+            pending += self._copy(records)
         if not pending:
             return
+        newest: dict[int, Record] = {}
+        for rec in pending:
+            last = newest.get(rec.stream)
+            if last is None or rec.seq > last.seq:
+                newest[rec.stream] = rec
         if self._record is None:
             self._record = driver().record_fn()
         marks: dict[int, int] = {}
@@ -139,17 +144,21 @@ class LandingMarks:
             busy = seen[stream] = self._capturing(stream)
         return busy
 
-    def _copy(self, rec: Record) -> bool:
-        """Enqueue ``rec``'s deferred copy; False (and the record void) if it could not."""
+    def _copy(self, records: list[Record]) -> list[Record]:
+        """Enqueue one stream's deferred copies; the CUDA ones enqueued, to be marked
+        (the others void, and told to ``lost``)."""
         if self._copy_held is None:
             raise RuntimeError("a capture deferred its copy to a drain that cannot copy")
-        why = self._copy_held(rec)
-        if why is None:
-            return True
-        rec.state = VOID
-        if self._lost is not None:
-            self._lost(rec, why)
-        return False
+        copied = []
+        for rec, why in zip(records, self._copy_held(records), strict=True):
+            if why is None:
+                if rec.event is not None:
+                    copied.append(rec)
+                continue
+            rec.state = VOID
+            if self._lost is not None:
+                self._lost(rec, why)
+        return copied
 
     def _land_by_sync(self, records: list[Record]) -> None:
         """The driver refused an event on their stream (one destroyed since the

@@ -26,7 +26,8 @@ a collective the host enqueued after the capture, and hold the record past its w
 or ``capture(defer=True)``): the training thread makes no driver call at all. The
 record keeps the tensor, its version counter and its address (:meth:`RingCopier.hold`),
 and the drain enqueues the copy later, on the same stream, before it records the
-landing event (:meth:`RingCopier.copy_held`). Nothing can free the tensor meanwhile,
+landing event (:meth:`RingCopier.copy_held`, one ``cuMemcpyBatchAsync`` per stream and
+look where the driver has it). Nothing can free the tensor meanwhile,
 but the training thread can change it: a change its version counter or address shows
 drops the record (``changed``); one they do not show (an in-place collective, a write
 through ``.data`` or a raw pointer) is copied as changed. So it is the caller's choice,
@@ -67,6 +68,7 @@ class RingCopier:
         # thread (ctypes releases the GIL around it), which saves a training thread the
         # copy as well.
         self._held_copy = self._memcpy if cuda else _host_copy
+        self._copy_batch = drv.memcpy_batch_fn(ring.device.index) if drv is not None else None
         if not cuda:
             self._stream = _no_stream
 
@@ -120,16 +122,37 @@ class RingCopier:
         rec.landed, rec.stream, rec.mark = None, self._stream(), -1
         return True
 
-    def copy_held(self, rec: Record) -> DropReason | None:
-        """Enqueue a deferred copy on the stream it was captured on, from the drain's
-        thread, and let go of the tensor; why it was not copied, if it was not."""
-        source, rec.source = rec.source, None
-        if source is None or source._version != rec.version or source.data_ptr() != rec.ptr:
-            return DropReason.CHANGED
-        n = rec.nbytes
-        if n and self._held_copy(self._ring_ptr + rec.offset, rec.ptr, n, rec.stream) != 0:
-            return DropReason.COPY_ERROR
-        return None
+    def copy_held(self, records: list[Record]) -> list[DropReason | None]:
+        """Enqueue deferred copies captured on one stream, from the drain's thread, and
+        let go of their tensors; per record, why it was not copied, if it was not.
+
+        On CUDA one ``cuMemcpyBatchAsync`` takes them all where the driver has it (one
+        call instead of one per record, each of which holds the GIL); one copy each
+        otherwise, or if the batch is refused."""
+        reasons: list[DropReason | None] = []
+        sources, live = [], []  # the tensors stay alive until their copies are enqueued
+        for i, rec in enumerate(records):
+            source, rec.source = rec.source, None
+            sources.append(source)
+            if source is None or source._version != rec.version or source.data_ptr() != rec.ptr:
+                reasons.append(DropReason.CHANGED)
+                continue
+            reasons.append(None)
+            if rec.nbytes:
+                live.append(i)
+        if not live:
+            return reasons
+        ring, stream = self._ring_ptr, records[live[0]].stream
+        if self._copy_batch is not None and len(live) > 1:
+            dsts = [ring + records[i].offset for i in live]
+            srcs = [records[i].ptr for i in live]
+            if self._copy_batch(dsts, srcs, [records[i].nbytes for i in live], stream) == 0:
+                return reasons
+        for i in live:
+            rec = records[i]
+            if self._held_copy(ring + rec.offset, rec.ptr, rec.nbytes, stream) != 0:
+                reasons[i] = DropReason.COPY_ERROR
+        return reasons
 
     @hot_path
     def view(self, rec: Record) -> torch.Tensor:

@@ -128,3 +128,30 @@ def test_a_cuda_graph_captured_while_the_drain_works_stays_valid(defer: bool) ->
     got = [r.tensor() for r in engine.sink.records]  # type: ignore[attr-defined]
     assert len(got) == len(want) and sum(engine.dropped().values()) == 0
     assert all(torch.equal(g, w.cpu()) for g, w in zip(got, want, strict=True))
+
+
+def test_the_drivers_batch_copy_is_byte_exact() -> None:
+    batch = driver().memcpy_batch_fn(torch.cuda.current_device())
+    if batch is None:
+        pytest.skip("cuMemcpyBatchAsync needs a CUDA 12.8 driver")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    src = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8, device="cuda", generator=gen)
+    dst = torch.zeros_like(src)
+    sizes = [1, 7, 64, 4096, 100_003, 1 << 18, 3, 1 << 20]
+    src_at = [5, 9_000, 20_000, 31_111, 200_000, 1_000_000, 2_000_000, 3_000_000]
+    dst_at, at = [], 0
+    for n in sizes:
+        dst_at.append(at)
+        at += n + 13  # gaps stay zero
+    status = batch(
+        [dst.data_ptr() + d for d in dst_at],
+        [src.data_ptr() + s for s in src_at],
+        sizes,
+        torch.cuda.current_stream().cuda_stream,
+    )
+    assert status == 0
+    want = torch.zeros_like(src).cpu()
+    host = src.cpu()
+    for n, s, d in zip(sizes, src_at, dst_at, strict=True):
+        want[d : d + n] = host[s : s + n]
+    assert torch.equal(dst.cpu(), want)
