@@ -107,11 +107,13 @@ def main() -> None:
             ring_ptr + (i % 256) * 4096, src.data_ptr(), 4096, stream
         )
         batch = drv.memcpy_batch_fn(0)
-        if batch is not None:
+        dsts = [ring_ptr + j * 4096 for j in range(64)]
+        srcs = [src.data_ptr()] * 64
+        if batch is not None and batch(dsts, srcs, [4096] * 64, stream) == 0:
             # One call for 64 copies: the drain's held copies of one look.
-            dsts = [ring_ptr + j * 4096 for j in range(64)]
-            srcs = [src.data_ptr()] * 64
             calls["memcpy batch 64 x 4 KiB"] = lambda i: batch(dsts, srcs, [4096] * 64, stream)
+        else:
+            print("cuMemcpyBatchAsync: missing or refused")
     views = [ring[j * 4096 : (j + 1) * 4096].view(torch.float32) for j in range(256)]
     calls["torch copy_ 4 KiB"] = lambda i: views[i % 256].copy_(src)
     noop = noop_launcher(stream)
