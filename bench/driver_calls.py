@@ -109,9 +109,10 @@ def main() -> None:
         batch = drv.memcpy_batch_fn(0)
         dsts = [ring_ptr + j * 4096 for j in range(64)]
         srcs = [src.data_ptr()] * 64
-        if batch is not None and batch(dsts, srcs, [4096] * 64, stream) == 0:
+        side = torch.cuda.Stream().cuda_stream  # the driver refuses the legacy stream
+        if batch is not None and batch(dsts, srcs, [4096] * 64, side) == 0:
             # One call for 64 copies: the drain's held copies of one look.
-            calls["memcpy batch 64 x 4 KiB"] = lambda i: batch(dsts, srcs, [4096] * 64, stream)
+            calls["memcpy batch 64 x 4 KiB"] = lambda i: batch(dsts, srcs, [4096] * 64, side)
         else:
             print("cuMemcpyBatchAsync: missing or refused")
     views = [ring[j * 4096 : (j + 1) * 4096].view(torch.float32) for j in range(256)]

@@ -105,7 +105,9 @@ class Driver:
         """``(dsts, srcs, sizes, stream) -> CUresult``: device-to-device copies of
         ``device`` in one ``cuMemcpyBatchAsync``, in stream order as a whole (in no
         order among themselves); None where the driver lacks it (before CUDA 12.8).
-        One call for the drain's held copies of a look instead of one call each."""
+        One call for the drain's held copies of a look instead of one call each. The
+        driver refuses the legacy default stream (``0``; CUDA_ERROR_INVALID_VALUE on
+        the H200's 13.0 driver): see :meth:`create_blocking_stream`."""
         batch = getattr(self._lib, "cuMemcpyBatchAsync_v2", None)
         with_fail_index = batch is None  # CUDA 12.8's ABI: a failIdx before the stream
         if batch is None:
@@ -132,6 +134,17 @@ class Driver:
             return batch(*args, first, 1, stream)
 
         return copy_batch
+
+    def create_blocking_stream(self) -> int | None:
+        """A new stream created without ``CU_STREAM_NON_BLOCKING`` (torch's are
+        non-blocking): work on it is ordered after the legacy default stream's earlier
+        work and before its later work, as if enqueued there. For calls the driver
+        refuses on the legacy stream itself (``cuMemcpyBatchAsync``). None if refused.
+        Never destroyed: one per copier, for the life of the process."""
+        handle = ctypes.c_void_p()
+        if self._lib.cuStreamCreate(ctypes.byref(handle), 0) != 0:
+            return None
+        return handle.value or None
 
     def stream_capturing_fn(self) -> Callable[[int], bool]:
         """``(stream) -> bool``: is ``stream`` being captured into a CUDA graph (or did

@@ -69,6 +69,7 @@ class RingCopier:
         # copy as well.
         self._held_copy = self._memcpy if cuda else _host_copy
         self._copy_batch = drv.memcpy_batch_fn(ring.device.index) if drv is not None else None
+        self._legacy_twin: int | None = None  # made by the drain's thread, at first use
         if not cuda:
             self._stream = _no_stream
 
@@ -146,13 +147,25 @@ class RingCopier:
         if self._copy_batch is not None and len(live) > 1:
             dsts = [ring + records[i].offset for i in live]
             srcs = [records[i].ptr for i in live]
-            if self._copy_batch(dsts, srcs, [records[i].nbytes for i in live], stream) == 0:
+            sizes = [records[i].nbytes for i in live]
+            if self._copy_batch(dsts, srcs, sizes, self._batch_stream(stream)) == 0:
                 return reasons
         for i in live:
             rec = records[i]
             if self._held_copy(ring + rec.offset, rec.ptr, rec.nbytes, stream) != 0:
                 reasons[i] = DropReason.COPY_ERROR
         return reasons
+
+    def _batch_stream(self, stream: int) -> int:
+        """Where a batch of copies for ``stream`` goes: the stream itself, or for the
+        legacy default stream (which ``cuMemcpyBatchAsync`` refuses) a blocking stream,
+        ordered with it as the stream itself would be."""
+        if stream != 0:
+            return stream
+        if self._legacy_twin is None:
+            drv = driver()
+            self._legacy_twin = (drv.create_blocking_stream() if drv else None) or 0
+        return self._legacy_twin
 
     @hot_path
     def view(self, rec: Record) -> torch.Tensor:

@@ -18,8 +18,11 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("on", ["side stream", "default stream"])
 @pytest.mark.parametrize("background", [True, False])
-def test_held_copies_land_in_order_on_the_capture_stream(background: bool) -> None:
+def test_held_copies_land_in_order_on_the_capture_stream(background: bool, on: str) -> None:
+    """On the legacy default stream the drain's batch goes to a blocking stream, which
+    the legacy stream orders as itself; a side stream takes it directly."""
     sink = MemorySink()
     # The host outruns the drain by far (4 MiB per step of microseconds): a full ring
     # waits rather than drops, so every capture is stored and compared.
@@ -31,7 +34,7 @@ def test_held_copies_land_in_order_on_the_capture_stream(background: bool) -> No
         on_full="block",
         config=EngineConfig(defer_copy_below=64 << 10, gather_interval_s=0.001),
     )
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream() if on == "side stream" else torch.cuda.default_stream()
     base = torch.randn(1024, 1024, device="cuda")
     model = torch.nn.Sequential(torch.nn.Linear(1024, 64), torch.nn.GELU()).cuda()
     want: list[torch.Tensor] = []
@@ -143,13 +146,12 @@ def test_the_drivers_batch_copy_is_byte_exact() -> None:
     for n in sizes:
         dst_at.append(at)
         at += n + 13  # gaps stay zero
-    status = batch(
-        [dst.data_ptr() + d for d in dst_at],
-        [src.data_ptr() + s for s in src_at],
-        sizes,
-        torch.cuda.current_stream().cuda_stream,
-    )
-    assert status == 0
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    args = ([dst.data_ptr() + d for d in dst_at], [src.data_ptr() + s for s in src_at], sizes)
+    assert batch(*args, 0) != 0  # the legacy default stream is refused (the copier knows)
+    assert batch(*args, side.cuda_stream) == 0
+    side.synchronize()
     want = torch.zeros_like(src).cpu()
     host = src.cpu()
     for n, s, d in zip(sizes, src_at, dst_at, strict=True):
