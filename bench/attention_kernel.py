@@ -74,6 +74,11 @@ SWEEP = [
     attention.QKConfig(64, 32, 4, 1),
     attention.QKConfig(64, 128, 4, 1),
     attention.QKConfig(128, 64, 8, 1),
+    # Warp specialisation of the unmasked key loop (GEMM against exponentials).
+    attention.QKConfig(64, 64, 4, 2, warp_specialize=True),
+    attention.QKConfig(64, 64, 4, 3, warp_specialize=True),
+    attention.QKConfig(128, 64, 4, 2, warp_specialize=True),
+    attention.QKConfig(128, 64, 8, 2, warp_specialize=True),
 ]
 
 

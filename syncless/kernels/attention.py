@@ -133,6 +133,7 @@ def _qk_block(
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ROPE: tl.constexpr,
     COMPUTE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     """Row block ``rb`` of sequence ``b``, head ``h``: writes its partials at ``out_row``.
     ``scale2`` is the softmax scale times ``log2 e``."""
@@ -188,7 +189,7 @@ def _qk_block(
             q, k_base, start, m, s_sum, t_sum, row_ok, kpos, K_LEN, WINDOW, skn, skd, d, d_ok,
             scale2, CAUSAL, HAS_WINDOW, PRECISION, COMPUTE, UPCAST, BLOCK_N,
         )  # fmt: skip
-    for start in range(a_start, b_end, BLOCK_N):
+    for start in tl.range(a_start, b_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         raw = _k_logits(q, k_base, start, K_LEN, skn, skd, d, d_ok,
                         PRECISION, COMPUTE, UPCAST, BLOCK_N, False)  # fmt: skip
         # Every logit is finite, so is m_new; only the first block's m = -inf with
@@ -225,6 +226,7 @@ def _qk_stats_kernel(
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ROPE: tl.constexpr,
     COMPUTE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     # Last row blocks first: under a causal mask they see the most keys, and starting
     # them first leaves the short ones to fill the tail of the launch.
@@ -238,7 +240,7 @@ def _qk_stats_kernel(
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, scl, scd,
         H, GROUP, N_ROWS, Q_LEN, K_LEN, WINDOW, scale2, weight, phase, stride,
         HEAD_DIM, CAUSAL, HAS_WINDOW, ROPE, COMPUTE, PRECISION, UPCAST,
-        BLOCK_M, BLOCK_N, BLOCK_D,
+        BLOCK_M, BLOCK_N, BLOCK_D, WARP_SPECIALIZE,
     )  # fmt: skip
 
 
@@ -252,6 +254,7 @@ def _qk_stats_grouped_kernel(
     COMPUTE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     Q_ALIGN: tl.constexpr, K_ALIGN: tl.constexpr, C_ALIGN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     """Every row (exact mode) of layer ``program_id(2)``: its q at ``offsets[layer]`` and
     its k at ``offsets[L + layer]`` elements from ``q_ptr`` / ``k_ptr`` (and, with
@@ -280,7 +283,7 @@ def _qk_stats_grouped_kernel(
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, scl, scd,
         H, GROUP, N_ROWS, Q_LEN, K_LEN, WINDOW, scale2, 1.0, 0, 1,
         HEAD_DIM, CAUSAL, HAS_WINDOW, ROPE, COMPUTE, PRECISION, UPCAST,
-        BLOCK_M, BLOCK_N, BLOCK_D,
+        BLOCK_M, BLOCK_N, BLOCK_D, WARP_SPECIALIZE,
     )  # fmt: skip
 
 
@@ -317,6 +320,7 @@ def _launch_args(
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
         "BLOCK_D": max(16, triton.next_power_of_2(q.shape[3])),
+        "WARP_SPECIALIZE": cfg.warp_specialize,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
     }

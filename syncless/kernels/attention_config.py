@@ -10,12 +10,16 @@ import torch
 
 @dataclass(frozen=True)
 class QKConfig:
-    """Tile sizes and launch shape of the statistics kernel."""
+    """Tile sizes and launch shape of the statistics kernel. ``warp_specialize``: Triton
+    splits the unmasked key loop into producer and consumer warps, to overlap the QK
+    GEMM with the exponentials (what FlashAttention-3 does by hand); a sweep candidate
+    (bench/attention_kernel.py), off unless it wins there."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    warp_specialize: bool = False
 
 
 # Per head_dim (the largest that fits wins). Before this table: 128 x 32, 8 warps for
