@@ -326,7 +326,7 @@ def main() -> None:
         f"{r['shape']} (B{r['B']} H{r['H']}/{r['Hkv']} L{r['L']} D{r['D']}"
         f"{' window ' + str(r['window']) if r['window'] else ''}, tiles "
         f"{r['config']['block_m']}x{r['config']['block_n']}/{r['config']['num_warps']}w/"
-        f"{r['config']['num_stages']}s) stats {r['stats_ms']:.3f} + rope_k {r['rope_k_ms']:.3f} "
+        f"{r['config']['num_stages']}s{'/ws' if r['config'].get('warp_specialize') else ''}) stats {r['stats_ms']:.3f} + rope_k {r['rope_k_ms']:.3f} "
         f"ms vs floor {r['floor_ms']:.3f} = {r['x_floor']:.2f}x{missed(r)} (flash fwd "
         f"{r['flash_fwd_ms']:.3f} ms), max rel err {r['max_rel_err']:.0e}"
         for r in rows
