@@ -54,8 +54,11 @@ class Driver:
     ``cuStreamWriteValue64``, ``cuStreamBatchMemOp`` (where the driver has it),
     ``cuStreamIsCapturing`` and ``cuMemHostGetDevicePointer``."""
 
-    def __init__(self, lib: Any) -> None:
+    def __init__(self, lib: Any, lib_releasing_gil: Any = None) -> None:
         self._lib = lib
+        # The same library through ctypes.CDLL, whose calls release the GIL: for long
+        # calls on a background thread (memcpy_batch_fn), not the training thread's.
+        self._lib_releasing_gil = lib_releasing_gil or lib
         self._record = lib.cuEventRecord
         self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         # CUDA 12.8 added _v2 (and 13 keeps only it in its headers); either has this ABI.
@@ -105,13 +108,17 @@ class Driver:
         """``(dsts, srcs, sizes, stream) -> CUresult``: device-to-device copies of
         ``device`` in one ``cuMemcpyBatchAsync``, in stream order as a whole (in no
         order among themselves); None where the driver lacks it (before CUDA 12.8).
-        One call for the drain's held copies of a look instead of one call each. The
-        driver refuses the legacy default stream (``0``; CUDA_ERROR_INVALID_VALUE on
+        One call for the drain's held copies of a look instead of one call each, which
+        releases the GIL: it costs the host about as much as the copies one by one
+        (264 us for 64 copies of 4 KiB against 4.94 us for one; bench/driver_calls.py,
+        87f95e3), and the training thread runs meanwhile. The driver refuses the legacy
+        default stream (``0``; CUDA_ERROR_INVALID_VALUE on
         the H200's 13.0 driver): see :meth:`create_blocking_stream`."""
-        batch = getattr(self._lib, "cuMemcpyBatchAsync_v2", None)
+        lib = self._lib_releasing_gil
+        batch = getattr(lib, "cuMemcpyBatchAsync_v2", None)
         with_fail_index = batch is None  # CUDA 12.8's ABI: a failIdx before the stream
         if batch is None:
-            batch = getattr(self._lib, "cuMemcpyBatchAsync", None)
+            batch = getattr(lib, "cuMemcpyBatchAsync", None)
         if batch is None:
             return None
         pointers = [ctypes.c_void_p] * 3
@@ -230,7 +237,7 @@ def driver() -> Driver | None:
     if not torch.cuda.is_available():
         return None
     try:
-        return Driver(ctypes.PyDLL("libcuda.so.1"))
+        return Driver(ctypes.PyDLL("libcuda.so.1"), ctypes.CDLL("libcuda.so.1"))
     except (OSError, AttributeError):
         return None
 

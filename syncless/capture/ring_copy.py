@@ -127,9 +127,9 @@ class RingCopier:
         """Enqueue deferred copies captured on one stream, from the drain's thread, and
         let go of their tensors; per record, why it was not copied, if it was not.
 
-        On CUDA one ``cuMemcpyBatchAsync`` takes them all where the driver has it (one
-        call instead of one per record, each of which holds the GIL); one copy each
-        otherwise, or if the batch is refused."""
+        On CUDA one ``cuMemcpyBatchAsync`` takes them all where the driver has it: it
+        releases the GIL, where a copy each holds it (see :mod:`syncless.cuda_driver`);
+        one copy each otherwise, or if the batch is refused."""
         reasons: list[DropReason | None] = []
         sources, live = [], []  # the tensors stay alive until their copies are enqueued
         for i, rec in enumerate(records):
