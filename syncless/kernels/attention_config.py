@@ -14,7 +14,7 @@ class QKConfig:
     splits the unmasked key loop into producer and consumer warps, to overlap the QK
     GEMM with the exponentials (what FlashAttention-3 does by hand); a sweep candidate
     (bench/attention_kernel.py), off unless it wins there. With Triton 3.6 on the H200
-    it did not (87f95e3): 64 x 64 tiles and 128 x 64 with 4 warps failed to compile
+    it did not (add772f): 64 x 64 tiles and 128 x 64 with 4 warps failed to compile
     (assertions in Triton's Hopper warp-specialisation passes), and 128 x 64 with 8
     warps ran slower than the default, 0.244 against 0.142 ms at head_dim 128 and 0.322
     against 0.262 ms at 256. Kept for the sweep to try again on later Triton."""
