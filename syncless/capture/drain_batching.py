@@ -122,14 +122,16 @@ class DrainBatching:
         look per capture cost the training thread 182 us per 4 KiB ``capture()`` on
         the H200 (bench/capture_drain.py, 01755cc)."""
         self.gathered = 0  # wake again after that many more bytes
-        waiting = 0
-        for i in range(self._transfers.inflight_records, len(self._queue)):
-            waiting += self._queue.peek(i).span
-            if waiting >= self.gather_bytes:
-                return True
-        if not waiting:
-            self._gather_until = None
+        transfers = self._transfers
+        if len(self._queue) <= transfers.inflight_records:
+            self._gather_until = None  # nothing waits
             return False
+        # A record of 0 bytes waits too: it starts the gather timer below (counting bytes
+        # alone, the drain once took an empty capture for nothing and died on it).
+        # The ring's live bytes less those in flight: no walk over the waiting records,
+        # which made a look O(records waiting) and a run of small captures quadratic.
+        if self._queue.ring.live_bytes - transfers.inflight_span >= self.gather_bytes:
+            return True
         now = time.monotonic()
         if self._gather_until is None:
             self._gather_until = now + self._gather_s

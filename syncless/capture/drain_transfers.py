@@ -51,6 +51,8 @@ class DrainTransfers:
         self._stats = stats
         self.inflight: deque[Transfer] = deque()  # issued, oldest first
         self.inflight_records = 0  # ring records they cover (the oldest in the ring)
+        self.inflight_span = 0  # ... and those records' ring bytes
+        self._spans: deque[int] = deque()  # per transfer in flight, its records' ring bytes
         self._landing = LandingMarks(
             queue, copy_held=copy_held, lost=lambda rec, why: stats.uncapture(why, rec.nbytes)
         )
@@ -139,8 +141,12 @@ class DrainTransfers:
 
     def track(self, t: Transfer) -> None:
         """``t`` is in flight: it covers the oldest ring records not in flight yet."""
+        first = self.inflight_records
+        span = sum(self._queue.peek(i).span for i in range(first, first + t.count))
         self.inflight.append(t)
+        self._spans.append(span)
         self.inflight_records += t.count
+        self.inflight_span += span
 
     def send_oversized_head(self) -> bool:
         """Send the oldest record alone through a fresh host buffer if it is ready and
@@ -172,6 +178,7 @@ class DrainTransfers:
 
     def _finish_one(self, t: Transfer) -> None:
         self.inflight_records -= t.count
+        self.inflight_span -= self._spans.popleft()
         if t.count:
             self._queue.release(t.count)
         elapsed = self._timeline.elapsed_s(t.start, t.end)

@@ -146,3 +146,18 @@ def test_running_out_of_record_slots_names_the_slots() -> None:
     assert "Every record slot is in flight" in engine.shortfall
     engine.close()
     assert engine.dropped()["records_full"] == 2
+
+
+def test_a_background_drain_stores_captures_of_zero_bytes() -> None:
+    """An empty tensor takes no ring bytes but is a record: the gathering drain must
+    still take it (it once counted bytes only, found none waiting and died)."""
+    sink = MemorySink()
+    engine = CaptureEngine(1 << 20, 1 << 16, sink, device="cpu")
+    with no_sync():
+        assert engine.capture("empty", torch.empty(0, 4), step=1)
+        assert engine.capture("full", torch.ones(3), step=2)
+    time.sleep(0.1)  # the drain looks while they wait
+    assert engine.drain_error is None
+    engine.close()
+    assert [(r.tag, r.shape) for r in sink.records] == [("empty", (0, 4)), ("full", (3,))]
+    assert sum(engine.dropped().values()) == 0
