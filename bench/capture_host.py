@@ -3,12 +3,12 @@
 The median and mean of one 4 KiB ``capture()`` on the current device (the mean carries
 the outliers: the drain taking the GIL, a garbage collection): an engine with its
 drain and writer threads (as in training), the same with the copy deferred to the drain
-(``EngineConfig.defer_copy_below``: the drain's copies hold the GIL, so a loop of
-nothing but captures, a host-bound worst case, pays for them in the mean), an inline
-engine (``background=False``: no other Python thread), and the inline engine with the
-copy skipped (its Python alone). The difference between the first and the third is
-what the engine's threads take from the training thread; between the third and the
-fourth, the copy.
+(``EngineConfig.defer_copy_below``: the drain's looks take the GIL, so a loop of
+nothing but captures, a host-bound worst case, pays for them in the mean), and the
+same with the copy skipped; then each of the three inline (``background=False``: no
+other Python thread). Inline with the copy skipped is the engine's Python alone; a
+mode with threads against the same mode inline is what the engine's threads take from
+the training thread; deferred against skipped inline, what holding the tensor costs.
 
     python bench/capture_host.py       # CUDA; on the CPU it runs, numbers mean little
 """
@@ -51,7 +51,9 @@ def main() -> None:
     for name, background, copy, defer in (
         ("threads", True, True, 0),
         ("threads, deferred", True, True, 1 << 20),
+        ("threads, copy skipped", True, False, 0),
         ("inline", False, True, 0),
+        ("inline, deferred", False, True, 1 << 20),
         ("inline, copy skipped", False, False, 0),
     ):
         # Slots for every call: an inline engine drains nothing while it is timed, and a
