@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from syncless.capture.sink_fsspec import FsspecSink
     from syncless.capture.stats import DropReason
     from syncless.capture.window_reports import WindowReport
+    from syncless.recompute import recomputing
 
 # name -> module that defines it (torch-importing modules, loaded lazily)
 _LAZY = {
@@ -44,6 +45,7 @@ _LAZY = {
     "FsspecSink": "sink_fsspec",
     "CaptureStore": "reader",
     "open": "reader",
+    "recomputing": "syncless.recompute",  # for capture hooks under activation checkpointing
 }
 
 __all__ = [
@@ -69,6 +71,7 @@ __all__ = [
     "WindowReport",
     "open",
     "pack",
+    "recomputing",
     "unpack",
 ]
 
@@ -77,6 +80,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'syncless.capture' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"syncless.capture.{module}"), name)
+    path = module if module.startswith("syncless.") else f"syncless.capture.{module}"
+    value = getattr(importlib.import_module(path), name)
     globals()[name] = value  # later lookups skip this function
     return value

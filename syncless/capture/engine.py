@@ -32,6 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from syncless.capture.arguments import (
+    capture_outside_graph,
+    check_capture,
+    check_defer,
+    check_meta,
+)
 from syncless.capture.boundary import BoundaryClock
 from syncless.capture.config import (
     EngineConfig,
@@ -44,19 +50,13 @@ from syncless.capture.controller import ControllerConfig, GrantController
 from syncless.capture.drain import DrainWorker
 from syncless.capture.engine_lifecycle import EngineLifecycle
 from syncless.capture.engine_report import EngineReporting
-from syncless.capture.engine_setup import (
-    check_meta,
-    check_sizes,
-    event_factory,
-    resolve_controller,
-)
+from syncless.capture.engine_setup import check_sizes, event_factory, resolve_controller
 from syncless.capture.records import VOID, WRITTEN, Record, RecordQueue
 from syncless.capture.ring_copy import RingCopier
 from syncless.capture.shortfall import Shortfall
 from syncless.capture.sink import CaptureSink
 from syncless.capture.stats import CaptureStats, DropReason, ThreadClock
 from syncless.capture.writer import SinkWriter, writer_count
-from syncless.cuda_driver import stream_capturing
 from syncless.guard import allow_sync
 from syncless.hot_path import hot_path
 from syncless.run.dist import rank_info
@@ -262,16 +262,15 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
                 meta or policy. RuntimeError: inside CUDA graph capture; in strict mode,
                 a sink or drain error from earlier.
         """
+        if torch.compiler.is_compiling():
+            return capture_outside_graph(self, tag, tensor, step, meta, on_full, defer)
         t0 = time.perf_counter_ns()
         if self._strict:
             self._raise_errors()
         policy = self._on_full if on_full is None else check_on_full(on_full)
-        self._check_capture(tag, tensor, step)
+        check_capture(tag, tensor, step, self._device, self._cuda)
         nbytes = tensor.numel() * tensor.element_size()
-        if defer is None:
-            defer = nbytes < self._defer_below
-        elif not isinstance(defer, bool):
-            raise ValueError(f"capture({tag!r}): defer must be a bool or None, got {defer!r}")
+        defer = nbytes < self._defer_below if defer is None else check_defer(tag, defer)
         meta_json = None if meta is None else check_meta(meta)
         if self._shortfall.started is None:
             self._shortfall.started = time.monotonic()
@@ -337,31 +336,6 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
             raise
         rec.state = WRITTEN
         self._drain.captured(rec.span, rec.source is not None)
-
-    @hot_path
-    def _check_capture(self, tag: str, tensor: torch.Tensor, step: int | None) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"capture({tag!r}): expected a torch.Tensor, got {type(tensor)}")
-        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
-            raise ValueError(
-                f"capture({tag!r}): only dense strided tensors can be captured, got layout "
-                f"{tensor.layout}{' (quantized)' if tensor.is_quantized else ''}"
-                f"{' (nested)' if tensor.is_nested else ''}; capture its dense parts instead"
-            )
-        if tensor.device != self._device:
-            raise ValueError(
-                f"capture({tag!r}): the tensor is on {tensor.device} but the engine captures "
-                f"from {self._device}; make one engine per device"
-            )
-        if not isinstance(tag, str) or not tag:
-            raise ValueError(f"capture(): tag must be a non-empty string, got {tag!r}")
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-            raise ValueError(f"capture({tag!r}): step must be an int or None, got {step!r}")
-        if self._cuda and stream_capturing():
-            raise RuntimeError(
-                f"capture({tag!r}) inside CUDA graph capture: the ring is reserved on the "
-                f"host, which a graph replay does not run; capture outside the graph"
-            )
 
     @hot_path
     def advance_boundary(self, stream: torch.cuda.Stream | None = None) -> None:

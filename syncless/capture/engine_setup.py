@@ -1,16 +1,14 @@
 """What :class:`~syncless.capture.engine.CaptureEngine` checks and makes once, when built.
 
 The sizes of the device ring and the staging ring against each other, the grant
-controller against staging, the readiness events of the record slots, and a
-capture's ``meta``. The checks
+controller against staging, and the readiness events of the record slots. The checks
 of each argument on its own (the config, the policy, the device, the sink) are in
 :mod:`syncless.capture.config`.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +16,7 @@ import torch
 from syncless.capture.config import EngineConfig, positive_int
 from syncless.capture.controller import ControllerConfig, GrantController
 
-__all__ = ["check_meta", "check_sizes", "event_factory", "resolve_controller"]
+__all__ = ["check_sizes", "event_factory", "resolve_controller"]
 
 
 def check_sizes(
@@ -68,16 +66,3 @@ def event_factory(device: torch.device) -> Callable[[], Any] | None:
         return ev
 
     return make
-
-
-def check_meta(meta: Mapping[str, Any]) -> str:
-    """``capture()``'s ``meta`` as JSON text, serialised at the call (a snapshot)."""
-    if not isinstance(meta, Mapping):
-        raise ValueError(f"capture(): meta must be a mapping, got {type(meta).__name__}")
-    try:
-        return json.dumps(dict(meta), separators=(",", ":"))
-    except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"capture(): meta must be JSON-serialisable (numbers, strings, lists, dicts; "
-            f"not tensors, which would need a sync): {e}"
-        ) from None

@@ -14,11 +14,12 @@ from torch import nn
 from syncless.errors import UsageError
 from syncless.metrics import MetricSet
 from syncless.monitors.adapters import find_layers
-from syncless.monitors.base import Monitor, MonitorContext, compiled_and_run, recomputing
+from syncless.monitors.base import Monitor, MonitorContext, compiled_and_run
 from syncless.monitors.budget import DEFAULT_BUDGET, Budget
 from syncless.monitors.handle import MonitorHandle
 from syncless.monitors.output_read import fuse_output_reads
 from syncless.monitors.ranks import check_same_monitors
+from syncless.recompute import recomputing
 from syncless.run import Run
 
 __all__ = ["attach"]

@@ -22,18 +22,9 @@ from syncless.metrics import MetricSet, Readout
 from syncless.monitors.adapters import LayerSite, ModelMap
 from syncless.monitors.budget import Budget
 from syncless.monitors.layer_batch import LayerBatch
+from syncless.recompute import recomputing
 
 AREA = "monitors"
-
-
-def recomputing() -> bool:
-    """Whether a forward runs inside a backward: activation checkpointing's recompute
-    (reentrant or not: torch.utils.checkpoint, Hugging Face's gradient checkpointing,
-    torchtitan's checkpoint_wrapper). The real forward was measured already; a hook
-    that counted again would double every count (issue #20: moe_tokens_count doubled).
-    One C call, ~0.1 us. Not under ``torch.compile`` tracing: the int it returns would
-    break the graph, so callers check ``torch.compiler.is_compiling()`` first."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def compiled_and_run(roots: list[nn.Module]) -> bool:

@@ -26,9 +26,10 @@ import torch
 from syncless import kernels
 from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.activations import ActivationsMonitor
-from syncless.monitors.base import Monitor, MonitorContext, recomputing
+from syncless.monitors.base import Monitor, MonitorContext
 from syncless.monitors.layer_batch import LayerBatch
 from syncless.monitors.nonfinite import NonFiniteMonitor
+from syncless.recompute import recomputing
 
 
 def fuse_output_reads(ctx: MonitorContext, monitors: Sequence[Monitor]) -> LayerBatch | None:
