@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.compiler import is_compiling
 
 from syncless.capture.arguments import (
     capture_outside_graph,
@@ -262,7 +263,7 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
                 meta or policy. RuntimeError: inside CUDA graph capture; in strict mode,
                 a sink or drain error from earlier.
         """
-        if torch.compiler.is_compiling():
+        if is_compiling():  # dynamo traces this hook: one opaque call instead
             return capture_outside_graph(self, tag, tensor, step, meta, on_full, defer)
         t0 = time.perf_counter_ns()
         if self._strict:
