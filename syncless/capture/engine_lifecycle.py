@@ -147,7 +147,7 @@ class EngineLifecycle:
         count = nbytes = 0
         for i in range(len(self._queue)):
             rec = self._queue.peek(i)
-            rec.source = None  # a deferred copy's tensor, never to be copied now
+            rec.source = rec.kept = None  # a deferred copy's tensor: not needed now
             if rec.state != VOID:
                 count += 1
                 nbytes += rec.nbytes

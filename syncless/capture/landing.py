@@ -69,7 +69,8 @@ class LandingMarks:
         self._done: dict[int, int] = {}  # per stream, the newest mark seen complete
 
     def ready(self, rec: Record) -> bool:
-        """Has ``rec``'s copy landed? Sets it READY when it has."""
+        """Has ``rec``'s copy landed? Sets it READY when it has (VOID, if its tensor
+        changed while its deferred copy was being enqueued)."""
         state = rec.state
         if state in (READY, VOID):
             return True
@@ -77,15 +78,26 @@ class LandingMarks:
             return False  # its copy is being enqueued right now, or is deferred to mark()
         mark = rec.mark
         if rec.event is None or (mark >= 0 and mark <= self._done.get(rec.stream, -1)):
-            rec.state = READY  # a CPU copy, or one a mark already seen complete covers
+            self._landed(rec)  # a CPU copy, or one a mark already seen complete covers
             return True
         landed = rec.landed
         if landed is None or not landed.query():
             return False  # deferred and not marked yet, or not landed
         if mark >= 0:
             self._done[rec.stream] = mark  # one stream's marks complete in order
-        rec.state = READY
+        self._landed(rec)
         return True
+
+    def _landed(self, rec: Record) -> None:
+        if rec.suspect:
+            self._void(rec, DropReason.CHANGED)
+        else:
+            rec.state = READY
+
+    def _void(self, rec: Record, why: DropReason) -> None:
+        rec.state = VOID
+        if self._lost is not None:
+            self._lost(rec, why)
 
     def mark(self, start: int) -> None:
         """Enqueue deferred copies and record the landing events of copies that have
@@ -145,19 +157,21 @@ class LandingMarks:
         return busy
 
     def _copy(self, records: list[Record]) -> list[Record]:
-        """Enqueue one stream's deferred copies; the CUDA ones enqueued, to be marked
-        (the others void, and told to ``lost``)."""
+        """Enqueue one stream's deferred copies; the CUDA ones enqueued, to be marked.
+        One not copied is void now; one whose tensor changed while its copy was being
+        enqueued (``suspect``) once that copy has landed, so that no late copy writes
+        into ring space given to another record."""
         if self._copy_held is None:
             raise RuntimeError("a capture deferred its copy to a drain that cannot copy")
         copied = []
         for rec, why in zip(records, self._copy_held(records), strict=True):
-            if why is None:
+            if why is None or rec.suspect:
                 if rec.event is not None:
                     copied.append(rec)
-                continue
-            rec.state = VOID
-            if self._lost is not None:
-                self._lost(rec, why)
+                elif rec.suspect:
+                    self._void(rec, DropReason.CHANGED)  # a CPU copy is done already
+            else:
+                self._void(rec, why)
         return copied
 
     def _land_by_sync(self, records: list[Record]) -> None:
@@ -166,7 +180,7 @@ class LandingMarks:
         with allow_sync("capture drain: the driver refused a landing event; waiting on the device"):
             self._wait_device()
         for rec in records:
-            rec.state = READY
+            self._landed(rec)
 
 
 def _never(stream: int) -> bool:

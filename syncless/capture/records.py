@@ -41,6 +41,7 @@ class Record:
         "dtype",
         "event",
         "handle",
+        "kept",
         "landed",
         "mark",
         "meta",
@@ -54,6 +55,7 @@ class Record:
         "state",
         "step",
         "stream",
+        "suspect",
         "tag",
         "version",
     )
@@ -71,10 +73,16 @@ class Record:
         self.stream = 0  # the raw CUstream the copy was enqueued on
         # A deferred copy (syncless.capture.ring_copy): the tensor, held until the drain
         # enqueues its copy on ``stream``, and its version counter and address at the
-        # capture, which say whether it changed in between. None once copied.
+        # capture, which say whether it changed in between. None once copied; the
+        # tensor is then ``kept`` until the record is released, so that its memory is
+        # not reused before the copy has run, whatever stream the allocator frees it
+        # on. ``suspect``: it changed while its copy was being enqueued, so the copy
+        # may have read either; the record is dropped once the copy has landed.
         self.source: torch.Tensor | None = None
+        self.kept: torch.Tensor | None = None
         self.version = 0
         self.ptr = 0
+        self.suspect = False
         self.seq = -1
         self.tag = ""
         self.step: int | None = None
@@ -151,6 +159,7 @@ class RecordQueue:
             rec.span = span
             rec.offset = offset
             rec.meta = meta
+            rec.suspect = False
             rec.state = RESERVED
             return rec, None
 
@@ -185,7 +194,7 @@ class RecordQueue:
                         f"{(rec.offset, rec.span)} for record {rec.seq}"
                     )
                 rec.state = 0
-                rec.meta = rec.source = None  # drop references the slot no longer needs
+                rec.meta = rec.source = rec.kept = None  # references the slot no longer needs
                 self._head = (self._head + 1) % len(self._slots)
                 self._count -= 1
 

@@ -124,37 +124,53 @@ class RingCopier:
         return True
 
     def copy_held(self, records: list[Record]) -> list[DropReason | None]:
-        """Enqueue deferred copies captured on one stream, from the drain's thread, and
-        let go of their tensors; per record, why it was not copied, if it was not.
+        """Enqueue deferred copies captured on one stream, from the drain's thread; per
+        record, why it was not copied, if it was not.
+
+        Each tensor is checked before its copy is enqueued (changed: not copied) and
+        again after (changed meanwhile: ``rec.suspect``, the copy is enqueued but the
+        record is dropped once it lands). Torch bumps the version counter right after
+        it enqueues an in-place kernel, and releases the GIL around the op, so the
+        change can land between the first check and the copy. A copied tensor is
+        ``kept`` until its record is released.
 
         On CUDA one ``cuMemcpyBatchAsync`` takes them all where the driver has it: it
         releases the GIL, where a copy each holds it (see :mod:`syncless.cuda_driver`);
         one copy each otherwise, or if the batch is refused."""
         reasons: list[DropReason | None] = []
-        sources, live = [], []  # the tensors stay alive until their copies are enqueued
+        live = []
         for i, rec in enumerate(records):
             source, rec.source = rec.source, None
-            sources.append(source)
-            if source is None or source._version != rec.version or source.data_ptr() != rec.ptr:
+            if _changed(source, rec):
                 reasons.append(DropReason.CHANGED)
                 continue
             reasons.append(None)
+            rec.kept = source
             if rec.nbytes:
                 live.append(i)
-        if not live:
-            return reasons
+        if live:
+            self._enqueue(records, live, reasons)
+        for i, rec in enumerate(records):
+            if reasons[i] is None and _changed(rec.kept, rec):
+                rec.suspect = True
+                reasons[i] = DropReason.CHANGED
+        return reasons
+
+    def _enqueue(
+        self, records: list[Record], live: list[int], reasons: list[DropReason | None]
+    ) -> None:
         ring, stream = self._ring_ptr, records[live[0]].stream
         if self._copy_batch is not None and len(live) > 1:
             dsts = [ring + records[i].offset for i in live]
             srcs = [records[i].ptr for i in live]
             sizes = [records[i].nbytes for i in live]
             if self._copy_batch(dsts, srcs, sizes, self._batch_stream(stream)) == 0:
-                return reasons
+                return
         for i in live:
             rec = records[i]
             if self._held_copy(ring + rec.offset, rec.ptr, rec.nbytes, stream) != 0:
                 reasons[i] = DropReason.COPY_ERROR
-        return reasons
+                rec.kept = None  # nothing reads it
 
     def _batch_stream(self, stream: int) -> int:
         """Where a batch of copies for ``stream`` goes: the stream itself, or for the
@@ -183,6 +199,10 @@ class RingCopier:
         return typed.as_strided(
             rec.shape, _contiguous_strides(rec.shape), rec.offset // dtype.itemsize
         )
+
+
+def _changed(tensor: torch.Tensor | None, rec: Record) -> bool:
+    return tensor is None or tensor._version != rec.version or tensor.data_ptr() != rec.ptr
 
 
 def _host_copy(dst: int, src: int, nbytes: int, stream: int) -> int:

@@ -69,6 +69,32 @@ def test_a_change_the_version_counter_shows_drops_the_record_as_changed() -> Non
     assert c["offered_count"] == c["stored_count"] + sum(e.dropped().values())
 
 
+def test_a_change_racing_the_copys_enqueue_drops_the_record_once_it_lands() -> None:
+    """Torch bumps the version right after it enqueues an in-place kernel, with the GIL
+    released: the drain's check before its copy can miss a change that then lands
+    before the copy. The check after the copy catches it. Here the race is forced:
+    the in-place op runs inside the copy call."""
+    e = engine()
+    x, y = torch.arange(8.0), torch.arange(8.0) * 3
+    enqueue = e._copier._held_copy
+
+    def racing_copy(dst: int, src: int, nbytes: int, stream: int) -> int:
+        status = enqueue(dst, src, nbytes, stream)
+        if src == x.data_ptr():
+            x.add_(1)  # the training thread's op, between the copy and the check after it
+        return status
+
+    e._copier._held_copy = racing_copy
+    with no_sync():
+        assert e.capture("x", x) and e.capture("y", y)
+    e.close()
+    assert [r.tag for r in e.sink.records] == ["y"]
+    assert torch.equal(stored(e)["y"], torch.arange(8.0) * 3)
+    c = e.counters()
+    assert e.dropped()["changed"] == 1 and c["captured_count"] == 1
+    assert c["offered_count"] == c["stored_count"] + sum(e.dropped().values())
+
+
 def test_a_change_after_the_drains_look_does_not_touch_the_record() -> None:
     e = engine()
     x = torch.arange(6.0)

@@ -176,3 +176,25 @@ def test_deferred_copies_go_before_their_streams_landing_event() -> None:
     assert all(marks.ready(r) for r in recs)
     marks.mark(0)
     assert len(log) == 4  # copied once
+
+
+def test_a_copy_suspected_of_a_change_is_dropped_only_once_it_has_landed() -> None:
+    """Its copy was enqueued: its ring bytes stay taken until that copy lands, or a
+    late copy could write into space given to the next record."""
+    lost: list[int] = []
+
+    def copy_held(records: list[Record]) -> list[DropReason | None]:
+        for rec in records:
+            rec.source = None
+        records[0].suspect = True  # changed while its copy was enqueued
+        return [DropReason.CHANGED, None]
+
+    queue, drv, marks = make(copy_held=copy_held, lost=lambda r, why: lost.append(r.seq))
+    suspect, fine = capture(queue, 7), capture(queue, 7)
+    suspect.source = fine.source = torch.zeros(4)
+    marks.mark(0)
+    assert drv.calls == [(fine.handle, 7)]  # one landing event covers both copies
+    assert not marks.ready(suspect) and lost == []  # in flight: still holds its space
+    fine.event.done = True
+    assert marks.ready(suspect) and suspect.state == VOID and lost == [0]
+    assert marks.ready(fine) and fine.state == READY
