@@ -1,4 +1,5 @@
-"""Copies into the device ring, on the training thread: one per ``capture()``.
+"""Copies into the device ring: one per ``capture()``, on the training thread, or
+deferred to the drain's.
 
 On CUDA a contiguous tensor is copied by ``cuMemcpyDtoDAsync`` and its readiness
 event recorded by ``cuEventRecord``, both through ``ctypes.PyDLL``, which keeps the
@@ -9,7 +10,7 @@ with torch's calls while those threads ran (bench/capture_drain.py, 0a153bf).
 Everything else (strided views, conjugate and negative bits, the CPU, a driver that
 refuses) takes torch's path, which gives the same bytes in row-major order.
 
-The copy is the floor of a capture's host time: about 7-8 us of the H200 host per
+The copy is the floor of a capture's host time: 5-8 us of the H200 host per
 ``cuMemcpyDtoDAsync`` (bench/driver_calls.py). A launch of our own copy kernel through
 ``cuLaunchKernel`` was tried instead and cost as much or more (8.31 against 8.26 us at
 4 KiB, 11.06 against 6.76 us at 32 MiB; copy_probe, 0c6faa0), so it is not used.
@@ -27,11 +28,11 @@ or ``capture(defer=True)``): the training thread makes no driver call at all. Th
 record keeps the tensor, its version counter and its address (:meth:`RingCopier.hold`),
 and the drain enqueues the copy later, on the same stream, before it records the
 landing event (:meth:`RingCopier.copy_held`, one ``cuMemcpyBatchAsync`` per stream and
-look where the driver has it). Nothing can free the tensor meanwhile,
-but the training thread can change it: a change its version counter or address shows
-drops the record (``changed``); one they do not show (an in-place collective, a write
-through ``.data`` or a raw pointer) is copied as changed. So it is the caller's choice,
-off by default: see docs/capture.md, "Deferred copies".
+look where the driver has it). Nothing can free the tensor meanwhile, but the training
+thread can change it: a change its version counter or address shows drops the record
+(``changed``); one they do not show (an in-place collective, a write through ``.data``
+or a raw pointer) is copied as changed. So it is the caller's choice, off by default:
+see docs/capture.md, "Deferred copies".
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ __all__ = ["RingCopier"]
 
 class RingCopier:
     """Copies a tensor into its record's slice of ``ring`` on the current stream and
-    records the record's event after it, unless the drain is to (``defer``)."""
+    records the record's event after it, unless the drain is to (``defer``); or holds
+    it for the drain to copy (``defer_copy``, :meth:`copy_held`)."""
 
     def __init__(self, ring: torch.Tensor) -> None:
         self._ring = ring
