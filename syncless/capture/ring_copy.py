@@ -95,7 +95,7 @@ class RingCopier:
     def _driver_copy(self, rec: Record, tensor: torch.Tensor, defer: bool) -> bool:
         """The driver's copy (and record unless ``defer``); False to take torch's path
         instead (a layout a flat copy would scramble, or a call the driver refused)."""
-        if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+        if not _flat(tensor):
             return False
         stream = self._stream()
         n = rec.nbytes
@@ -115,9 +115,7 @@ class RingCopier:
         record, for :meth:`copy_held` on the drain's thread; False where the driver
         could not copy it flat, or where an inference tensor has no version counter to
         tell a change by."""
-        if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
-            return False
-        if tensor.is_inference():
+        if not _flat(tensor) or tensor.is_inference():
             return False
         rec.source = tensor
         rec.version = tensor._version
@@ -201,6 +199,12 @@ class RingCopier:
         return typed.as_strided(
             rec.shape, _contiguous_strides(rec.shape), rec.offset // dtype.itemsize
         )
+
+
+def _flat(tensor: torch.Tensor) -> bool:
+    """Can the driver copy its bytes as they lie: contiguous, no conjugate or negative
+    bit (torch's views that materialise only on use)."""
+    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
 
 
 def _changed(tensor: torch.Tensor | None, rec: Record) -> bool:
