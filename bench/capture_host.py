@@ -34,7 +34,7 @@ def times_us(engine: CaptureEngine, x: torch.Tensor, calls: int) -> list[float]:
     return times
 
 
-def _landed_without_copy(rec, tensor, defer=False, defer_copy=False) -> None:
+def _landed_without_copy(rec, tensor, stream, defer=False, defer_copy=False) -> None:
     """The copier's bookkeeping without its copy: the record counts as landed."""
     rec.landed, rec.mark = rec.event, -1
 

@@ -113,6 +113,7 @@ class RecordQueue:
         make_event: Callable[[], Any] | None,
     ) -> None:
         self.ring = ByteRing(ring_bytes, align)
+        self._align_mask = align - 1
         self.lock = threading.Lock()
         self._slots = [Record(make_event() if make_event else None) for _ in range(max_records)]
         self._head = 0
@@ -128,13 +129,13 @@ class RecordQueue:
         self,
         tag: str,
         step: int | None,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
+        tensor: torch.Tensor,
         nbytes: int,
         meta: str | None,
     ) -> tuple[Record | None, DropReason | None]:
-        """A slot and ring space for one record: ``(record, None)``, or ``(None, why)``."""
-        span = self.ring.span(nbytes)
+        """A slot and ring space for ``nbytes`` of ``tensor`` (its shape and dtype go in
+        the record): ``(record, None)``, or ``(None, why)``."""
+        span = (nbytes + self._align_mask) & ~self._align_mask  # ByteRing.span, inlined
         with self.lock:
             if self.closed:
                 return None, DropReason.CLOSED
@@ -142,24 +143,24 @@ class RecordQueue:
                 return None, DropReason.DRAIN_ERROR
             if span > self.ring.capacity:
                 return None, DropReason.OVERSIZED
-            if self._count == len(self._slots):
+            slots = self._slots
+            if self._count == len(slots):
                 return None, DropReason.RECORDS_FULL
             offset = self.ring.reserve(span)
             if offset is None:
                 return None, DropReason.RING_FULL
-            rec = self._slots[(self._head + self._count) % len(self._slots)]
+            rec = slots[(self._head + self._count) % len(slots)]
             self._count += 1
             rec.seq = self._next_seq
             self._next_seq += 1
             rec.tag = tag
             rec.step = step
-            rec.shape = shape
-            rec.dtype = dtype
+            rec.shape = tensor.shape  # a torch.Size: a tuple, made once here
+            rec.dtype = tensor.dtype
             rec.nbytes = nbytes
             rec.span = span
             rec.offset = offset
             rec.meta = meta
-            rec.suspect = False
             rec.state = RESERVED
             return rec, None
 
@@ -194,6 +195,7 @@ class RecordQueue:
                         f"{(rec.offset, rec.span)} for record {rec.seq}"
                     )
                 rec.state = 0
+                rec.suspect = False
                 rec.meta = rec.source = rec.kept = None  # references the slot no longer needs
                 self._head = (self._head + 1) % len(self._slots)
                 self._count -= 1

@@ -65,26 +65,31 @@ class RingCopier:
         self._memcpy = drv.memcpy_fn() if drv is not None else None
         if drv is not None and self._memcpy is not None:
             self._record = drv.record_fn()
-            self._stream = current_raw_stream_fn(ring.device.index)
+        # ``stream()``: the raw current stream copies are enqueued on (0 on the CPU).
+        self.stream = current_raw_stream_fn(ring.device.index) if cuda else _no_stream
         # Deferred copies: the driver's on CUDA; on the CPU a memmove on the drain's
         # thread (ctypes releases the GIL around it), which saves a training thread the
         # copy as well.
         self._held_copy = self._memcpy if cuda else _host_copy
         self._copy_batch = drv.memcpy_batch_fn(ring.device.index) if drv is not None else None
         self._legacy_twin: int | None = None  # made by the drain's thread, at first use
-        if not cuda:
-            self._stream = _no_stream
 
     @hot_path
     def copy(
-        self, rec: Record, tensor: torch.Tensor, defer: bool = False, defer_copy: bool = False
+        self,
+        rec: Record,
+        tensor: torch.Tensor,
+        stream: int,
+        defer: bool = False,
+        defer_copy: bool = False,
     ) -> None:
-        """Enqueue the copy, or with ``defer_copy`` (and ``defer``) leave it to the drain
-        where it can (:meth:`hold`); on CUDA set ``rec.landed`` (``None`` when ``defer``
-        left its event to the drain, see the module docstring)."""
-        if defer_copy and defer and self._held_copy is not None and self.hold(rec, tensor):
+        """Enqueue the copy on ``stream`` (the current one, from :attr:`stream`), or with
+        ``defer_copy`` (and ``defer``) leave it to the drain where it can (:meth:`hold`);
+        on CUDA set ``rec.landed`` (``None`` when ``defer`` left its event to the drain,
+        see the module docstring)."""
+        if defer_copy and defer and self._held_copy is not None and self.hold(rec, tensor, stream):
             return
-        if self._memcpy is not None and self._driver_copy(rec, tensor, defer):
+        if self._memcpy is not None and self._driver_copy(rec, tensor, stream, defer):
             return
         self.view(rec).copy_(tensor.detach())
         if rec.event is not None:
@@ -92,12 +97,11 @@ class RingCopier:
             rec.landed, rec.mark = rec.event, -1
 
     @hot_path
-    def _driver_copy(self, rec: Record, tensor: torch.Tensor, defer: bool) -> bool:
+    def _driver_copy(self, rec: Record, tensor: torch.Tensor, stream: int, defer: bool) -> bool:
         """The driver's copy (and record unless ``defer``); False to take torch's path
         instead (a layout a flat copy would scramble, or a call the driver refused)."""
         if not _flat(tensor):
             return False
-        stream = self._stream()
         n = rec.nbytes
         if n and self._memcpy(self._ring_ptr + rec.offset, tensor.data_ptr(), n, stream) != 0:
             return False
@@ -110,7 +114,7 @@ class RingCopier:
         return True
 
     @hot_path
-    def hold(self, rec: Record, tensor: torch.Tensor) -> bool:
+    def hold(self, rec: Record, tensor: torch.Tensor, stream: int) -> bool:
         """A deferred copy: keep the tensor, its version counter and address in the
         record, for :meth:`copy_held` on the drain's thread; False where the driver
         could not copy it flat, or where an inference tensor has no version counter to
@@ -120,7 +124,7 @@ class RingCopier:
         rec.source = tensor
         rec.version = tensor._version
         rec.ptr = tensor.data_ptr()
-        rec.landed, rec.stream, rec.mark = None, self._stream(), -1
+        rec.landed, rec.stream, rec.mark = None, stream, -1
         return True
 
     def copy_held(self, records: list[Record]) -> list[DropReason | None]:

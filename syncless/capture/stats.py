@@ -21,7 +21,7 @@ from enum import Enum
 
 from syncless.hot_path import hot_path
 
-__all__ = ["COUNTERS", "GAUGES", "CaptureStats", "DropReason", "ThreadClock"]
+__all__ = ["COUNTERS", "GAUGES", "CaptureStats", "DropReason", "ThreadClock", "ThreadCounts"]
 
 
 class DropReason(str, Enum):
@@ -93,15 +93,66 @@ GAUGES: tuple[str, ...] = (
 )
 
 
+class ThreadCounts:
+    """What ``capture()`` counts on one capturing thread: written by that thread alone,
+    so without a lock (a locked update of five counters took 490 ns of a 3.5 us capture
+    on the CI host). Readers add them up; one read may see a call half counted (its
+    offer, not yet its capture), never a count lost."""
+
+    __slots__ = ("captured_bytes", "captured_count", "host_ns", "offered_bytes", "offered_count")
+
+    def __init__(self) -> None:
+        self.offered_count = 0
+        self.offered_bytes = 0
+        self.captured_count = 0
+        self.captured_bytes = 0
+        self.host_ns = 0
+
+    def totals(self) -> tuple[int, int, int, int, float]:
+        return (
+            self.offered_count,
+            self.offered_bytes,
+            self.captured_count,
+            self.captured_bytes,
+            self.host_ns / 1e6,
+        )
+
+
+# The counters ThreadCounts.totals() holds, in its order.
+_THREAD_COUNTERS = (
+    "offered_count",
+    "offered_bytes",
+    "captured_count",
+    "captured_bytes",
+    "capture_host_ms",
+)
+
+
+class _PerThread(threading.local):
+    """This thread's :class:`ThreadCounts`, made on its first capture and listed in
+    ``registry`` (``list.append`` is atomic under the GIL) for the readers."""
+
+    def __init__(self, registry: list[ThreadCounts]) -> None:
+        self.counts = ThreadCounts()
+        registry.append(self.counts)
+
+
 class CaptureStats:
     """Thread-safe cumulative counters with per-step deltas."""
 
-    __slots__ = ("_last", "_lock", "_values")
+    __slots__ = ("_last", "_local", "_lock", "_threads", "_values")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._last: dict[str, float] = dict(self._values)
+        self._threads: list[ThreadCounts] = []
+        self._local = _PerThread(self._threads)
+
+    @hot_path
+    def thread_counts(self) -> ThreadCounts:
+        """The calling thread's ``capture()`` counters (update them from it only)."""
+        return self._local.counts
 
     @hot_path
     def add(self, name: str, value: float = 1) -> None:
@@ -114,19 +165,6 @@ class CaptureStats:
         with self._lock:
             self._values[name_a] += a
             self._values[name_b] += b
-
-    @hot_path
-    def capture(self, nbytes: int, captured: bool, host_ms: float) -> None:
-        """One ``capture()`` call: offered, captured if it was, and its host time, under
-        one lock (the training thread pays for every acquisition)."""
-        values = self._values
-        with self._lock:
-            values["offered_count"] += 1
-            values["offered_bytes"] += nbytes
-            values["capture_host_ms"] += host_ms
-            if captured:
-                values["captured_count"] += 1
-                values["captured_bytes"] += nbytes
 
     def uncapture(self, reason: DropReason, nbytes: int) -> None:
         """A record counted as captured is lost after all (a deferred copy)."""
@@ -146,18 +184,20 @@ class CaptureStats:
             self._values[f"dropped_{key}_bytes"] += nbytes
 
     def __getitem__(self, name: str) -> float:
-        with self._lock:
-            return self._values[name]
+        return self.snapshot()[name]
 
     def snapshot(self) -> dict[str, float]:
         """Every counter, cumulative."""
         with self._lock:
-            return dict(self._values)
+            values = dict(self._values)
+        for counts in list(self._threads):
+            for name, value in zip(_THREAD_COUNTERS, counts.totals(), strict=True):
+                values[name] += value
+        return values
 
     def deltas(self) -> dict[str, float]:
         """Each counter's change since the previous call (the first call: since start)."""
-        with self._lock:
-            now = dict(self._values)
+        now = self.snapshot()
         out = {k: now[k] - self._last[k] for k in COUNTERS}
         self._last = now
         return out
@@ -169,10 +209,9 @@ class CaptureStats:
 
     def balance(self) -> int:
         """``offered - stored - dropped``: the records still pending (0 once closed)."""
-        with self._lock:
-            v = self._values
-            dropped = sum(v[f"dropped_{r.value}_count"] for r in DropReason)
-            return int(v["offered_count"] - v["stored_count"] - dropped)
+        v = self.snapshot()
+        dropped = sum(v[f"dropped_{r.value}_count"] for r in DropReason)
+        return int(v["offered_count"] - v["stored_count"] - dropped)
 
 
 class ThreadClock:

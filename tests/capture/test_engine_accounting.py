@@ -203,3 +203,49 @@ def test_thread_clock_reads_a_workers_cpu_time_from_another_thread() -> None:
     assert idle < 2.0
     assert clock.advance(t) == 0.0  # ended
     assert clock.advance(None) == 0.0
+
+
+def test_counts_stay_exact_with_captures_from_several_threads() -> None:
+    # capture() counts on per-thread counters, without a lock, and readers add them up:
+    # every thread's calls must be in the totals. (A shared unlocked counter could lose
+    # updates on a free-threaded build; with the GIL an attribute's += is not
+    # interrupted, so that race cannot be forced here. The tiny switch interval
+    # interleaves the threads' calls as finely as it can.)
+    import sys
+    import threading
+
+    from syncless.guard import no_sync
+
+    sink = MemorySink()
+    engine = CaptureEngine(1 << 16, 1 << 14, sink, device="cpu", config=EngineConfig(align=64))
+    sizes = {name: 1 + 7 * i for i, name in enumerate("abcd")}  # elements per thread
+    calls = 400
+
+    def worker(name: str) -> None:
+        x = torch.full((sizes[name],), float(ord(name)))
+        for _ in range(calls):
+            engine.capture(name, x)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with no_sync():
+            threads = [threading.Thread(target=worker, args=(n,)) for n in sizes]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        sys.setswitchinterval(old)
+    engine.close()
+    counters = engine.counters()
+    assert counters["offered_count"] == calls * len(sizes)
+    assert counters["offered_bytes"] == calls * 4 * sum(sizes.values())
+    dropped = sum(engine.dropped().values())
+    stored = [r for r in sink.records]
+    assert counters["captured_count"] == len(stored) == counters["stored_count"]
+    assert counters["captured_count"] + dropped == calls * len(sizes)
+    assert counters["captured_bytes"] == sum(r.nbytes for r in stored)
+    for r in stored:  # each record is its thread's tensor
+        assert torch.equal(r.tensor(), torch.full((sizes[r.tag],), float(ord(r.tag))))
+    assert counters["capture_host_ms"] > 0

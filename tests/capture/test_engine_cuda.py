@@ -210,3 +210,23 @@ def test_driver_copies_are_byte_exact_and_ordered_on_the_current_stream() -> Non
     assert any(driver_copies), "no capture took the driver's path"
     # Batching: every driver copy left its landing event to the drain.
     assert deferred == driver_copies
+
+
+def test_capture_inside_cuda_graph_capture_raises_and_leaves_nothing_behind() -> None:
+    # capture() asks whether the current stream is being captured only off the legacy
+    # default stream (which CUDA never captures); torch.cuda.graph captures on its own.
+    engine = CaptureEngine(1 << 20, 1 << 16, MemorySink())
+    x = torch.randn(256, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with (
+        pytest.raises(RuntimeError, match="inside CUDA graph capture"),
+        torch.cuda.graph(graph, capture_error_mode="thread_local"),
+    ):
+        engine.capture("in_graph", x * 2)
+    torch.cuda.synchronize()
+    with no_sync():
+        assert engine.capture("after", x)  # the legacy default stream again
+    engine.close()
+    assert [r.tag for r in engine.sink.records] == ["after"]  # type: ignore[attr-defined]
+    assert torch.equal(engine.sink.records[0].tensor(), x.cpu())  # type: ignore[attr-defined]
+    assert engine.counters()["offered_count"] == 1  # the refused call offered nothing

@@ -63,7 +63,7 @@ def make(slots: int = 8, refuse: tuple[int, ...] = (), **kwargs):
 def capture(queue: RecordQueue, stream: int | None, *, written: bool = True):
     """A capture as the copier leaves it: deferred on ``stream``, or (None) with its
     own event recorded."""
-    rec, why = queue.try_reserve("t", 0, (4,), torch.float32, 16, None)
+    rec, why = queue.try_reserve("t", 0, torch.empty(4), 16, None)
     assert rec is not None, why
     if stream is None:
         rec.landed, rec.mark = rec.event, -1
