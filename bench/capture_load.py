@@ -20,8 +20,11 @@ Issue 23. Three measurements in one process:
    disk sustains), ``mixed`` (every layer plus 16 rows of 4 KiB per layer, 256
    small captures and 16 large per step, into the null sink), ``mixed-deferred`` (the
    same, the small rows' copies deferred to the drain) and ``mixed-all-deferred``
-   (every copy deferred). Per
-   mode: the step's overhead, the rate offered and stored, drops, the engine threads'
+   (every copy deferred); and a reference without the engine, ``torch-copy`` (the
+   mix's tensors copied with torch's ``copy_`` into preallocated device buffers: no
+   D2H, no threads), which shows what any enqueue of these sizes costs the host at
+   that point of a GPU-bound step, and what the device-to-device copies alone cost the
+   step. Per mode: the step's overhead, the rate offered and stored, drops, the engine threads'
    CPU time, and ``capture()``'s host time per call, small and large apart.
 
     python bench/capture_load.py                          # one H200
@@ -57,6 +60,7 @@ MODES = (
     "mixed",
     "mixed-deferred",
     "mixed-all-deferred",
+    "torch-copy",
 )
 # Copies left to the drain (EngineConfig.defer_copy_below): mixed-deferred, the small
 # rows' (the hidden states, 64 MiB each, are copied at the call); mixed-all-deferred,
@@ -135,12 +139,15 @@ class CaptureMode:
 
     def __init__(self, work, mode: str, args: argparse.Namespace, folder: Path) -> None:
         self.folder = folder
-        mixed = mode.startswith("mixed")
+        mixed = mode.startswith("mixed") or mode == "torch-copy"
         sink = NullSink() if mode == "null" or mixed else SafetensorsSink(folder)
         writers = 1 if mode == "disk-1" else args.writers
         defer = DEFER_BELOW.get(mode, 0)
         config = EngineConfig(writers=writers, defer_copy_below=defer)
         self.engine = CaptureEngine(args.ring_mb * MiB, args.staging_mb * MiB, sink, config=config)
+        # torch-copy: the engine stays idle (its counters read zero); the hooks copy.
+        self.copy = self._torch_copy if mode == "torch-copy" else self.engine.capture
+        self.buffers: dict[tuple, torch.Tensor] = {}
         every = 4 if mode == "disk-quarter" else 1
         self.small = args.small if mixed else 0
         self.times: dict[str, list[float]] = {"large": [], "small": []}
@@ -153,6 +160,14 @@ class CaptureMode:
         self.before = self.engine.counters()
         self.start = time.perf_counter()
 
+    def _torch_copy(self, tag: str, x: torch.Tensor, step: int) -> bool:
+        key = (tuple(x.shape), x.dtype)
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = self.buffers[key] = torch.empty_like(x)
+        buf.copy_(x)
+        return True
+
     def _hook(self, index: int):
         tag = f"layer_{index:02d}/hidden"
         small_tag = f"{tag}/row"
@@ -160,12 +175,12 @@ class CaptureMode:
         def hook(_module, _args, out) -> None:
             hidden = out[0] if isinstance(out, tuple) else out
             t0 = time.perf_counter_ns()
-            self.engine.capture(tag, hidden, step=self.step)
+            self.copy(tag, hidden, step=self.step)
             self.times["large"].append((time.perf_counter_ns() - t0) / 1e3)
             rows = [hidden[0, row] for row in range(self.small)]  # sliced outside the timing
             for row in rows:
                 t0 = time.perf_counter_ns()
-                self.engine.capture(small_tag, row, step=self.step)
+                self.copy(small_tag, row, step=self.step)
                 self.times["small"].append((time.perf_counter_ns() - t0) / 1e3)
 
         return hook
