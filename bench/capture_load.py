@@ -174,6 +174,11 @@ class CaptureMode:
 
         def hook(_module, _args, out) -> None:
             hidden = out[0] if isinstance(out, tuple) else out
+            if index == 0 and not self.times["large"]:  # which copy path it can take
+                print(
+                    f"  large capture: {tuple(hidden.shape)} {hidden.dtype}, contiguous "
+                    f"{hidden.is_contiguous()}, requires_grad {hidden.requires_grad}"
+                )
             t0 = time.perf_counter_ns()
             self.copy(tag, hidden, step=self.step)
             self.times["large"].append((time.perf_counter_ns() - t0) / 1e3)

@@ -162,12 +162,13 @@ def test_driver_copies_are_byte_exact_and_ordered_on_the_current_stream() -> Non
     torch. Ground truth: clones taken on the producing stream."""
     from syncless.capture.ring_copy import RingCopier
 
-    driver_copies, deferred = [], []
+    driver_copies, deferred, streams = [], [], []
     original = RingCopier._driver_copy
 
-    def spy(self, rec, tensor, defer):
-        done = original(self, rec, tensor, defer)
+    def spy(self, rec, tensor, stream, defer):
+        done = original(self, rec, tensor, stream, defer)
         driver_copies.append(done)
+        streams.append(stream)
         deferred.append(defer and done and rec.landed is None)
         return done
 
@@ -208,6 +209,7 @@ def test_driver_copies_are_byte_exact_and_ordered_on_the_current_stream() -> Non
             g.reshape(-1).view(torch.uint8), w.cpu().contiguous().reshape(-1).view(torch.uint8)
         )
     assert any(driver_copies), "no capture took the driver's path"
+    assert set(streams) == {side.cuda_stream}  # enqueued where the tensors were made
     # Batching: every driver copy left its landing event to the drain.
     assert deferred == driver_copies
 
