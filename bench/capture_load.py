@@ -66,6 +66,16 @@ MODES = (
 # rows' (the hidden states, 64 MiB each, are copied at the call); mixed-all-deferred,
 # every one.
 DEFER_BELOW = {"mixed-deferred": 64 << 10, "mixed-all-deferred": 1 << 62}
+# Per capture call: wall time, and the training thread's CPU time over the same call
+# (where they part, the call waited: for the GIL, or in a driver call for queue space).
+TIMES = ("large", "large_cpu", "small", "small_cpu")
+
+
+def thread_ns() -> int:
+    return time.thread_time_ns() if _THREAD_CLOCK else 0
+
+
+_THREAD_CLOCK = hasattr(time, "thread_time_ns")
 
 
 def write_files(folder: Path, total: int, chunk: int, writers: int) -> tuple[float, float]:
@@ -150,7 +160,7 @@ class CaptureMode:
         self.buffers: dict[tuple, torch.Tensor] = {}
         every = 4 if mode == "disk-quarter" else 1
         self.small = args.small if mixed else 0
-        self.times: dict[str, list[float]] = {"large": [], "small": []}
+        self.times: dict[str, list[float]] = {k: [] for k in TIMES}
         self.step = 0
         self.hooks = [
             layer.register_forward_hook(self._hook(i))
@@ -179,14 +189,16 @@ class CaptureMode:
                     f"  large capture: {tuple(hidden.shape)} {hidden.dtype}, contiguous "
                     f"{hidden.is_contiguous()}, requires_grad {hidden.requires_grad}"
                 )
-            t0 = time.perf_counter_ns()
+            c0, t0 = thread_ns(), time.perf_counter_ns()
             self.copy(tag, hidden, step=self.step)
             self.times["large"].append((time.perf_counter_ns() - t0) / 1e3)
+            self.times["large_cpu"].append((thread_ns() - c0) / 1e3)
             rows = [hidden[0, row] for row in range(self.small)]  # sliced outside the timing
             for row in rows:
-                t0 = time.perf_counter_ns()
+                c0, t0 = thread_ns(), time.perf_counter_ns()
                 self.copy(small_tag, row, step=self.step)
                 self.times["small"].append((time.perf_counter_ns() - t0) / 1e3)
+                self.times["small_cpu"].append((thread_ns() - c0) / 1e3)
 
         return hook
 
@@ -257,12 +269,14 @@ def run_training(args: argparse.Namespace, device, matmul, folder: Path) -> list
             f"drain CPU {sum(t['drain_cpu_ms']) / secs / 10:.1f}%, writer CPU "
             f"{sum(t['writer_cpu_ms']) / secs / 10:.1f}% of a core; capture() host us/call "
             f"large median {statistics.median(t['host_large']):.1f} "
-            f"p99 {pct(t['host_large'], 99):.1f}"
+            f"p99 {pct(t['host_large'], 99):.1f} (CPU median "
+            f"{statistics.median(t['host_large_cpu']):.1f})"
         )
         if t.get("host_small"):
             text += (
                 f", small median {statistics.median(t['host_small']):.1f} "
-                f"p99 {pct(t['host_small'], 99):.1f}"
+                f"p99 {pct(t['host_small'], 99):.1f} (CPU median "
+                f"{statistics.median(t['host_small_cpu']):.1f})"
             )
         lines.append(text)
     return lines

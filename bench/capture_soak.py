@@ -44,9 +44,10 @@ def resident_mib() -> float:
     return 0.0
 
 
-def janitor(folder: Path, keep_bytes: int, stop: threading.Event) -> None:
-    """Delete the oldest shards (and their index files) beyond ``keep_bytes``."""
-    while not stop.wait(0.5):
+def janitor(folder: Path, keep_bytes: int, stop: threading.Event, kept: list[int]) -> None:
+    """Delete the oldest shards (and their index files) beyond ``keep_bytes``; ``kept[0]``
+    is what the last pass left."""
+    while not stop.wait(0.2):
         shards = sorted(folder.glob("*.safetensors"))
         sizes = []
         for p in shards:
@@ -61,6 +62,7 @@ def janitor(folder: Path, keep_bytes: int, stop: threading.Event) -> None:
             p.unlink(missing_ok=True)
             p.with_suffix(".parquet").unlink(missing_ok=True)
             total -= size
+        kept[0] = total
 
 
 def soak(args: argparse.Namespace, folder: Path, rate: float) -> tuple[list[dict], dict]:
@@ -71,8 +73,9 @@ def soak(args: argparse.Namespace, folder: Path, rate: float) -> tuple[list[dict
     x = torch.randn(args.record_mb * MiB // 2, device=engine.device).bfloat16()
     record = x.numel() * x.element_size()
     stop = threading.Event()
+    kept = [0]
     cleaner = threading.Thread(
-        target=janitor, args=(folder / "captures", int(args.keep_gb * 1e9), stop)
+        target=janitor, args=(folder / "captures", int(args.keep_gb * 1e9), stop, kept)
     )
     cleaner.start()
     rows, last, start = [], engine.counters(), time.perf_counter()
@@ -96,6 +99,10 @@ def soak(args: argparse.Namespace, folder: Path, rate: float) -> tuple[list[dict
                     "dropped": sum(counters[f"dropped_{r}_count"] - last[f"dropped_{r}_count"]
                                    for r in engine.dropped()),
                     "rss_mib": resident_mib(),
+                    # The volume's free space against the shards kept: where they part,
+                    # the volume does not hand back what the janitor deletes.
+                    "kept_gb": kept[0] / 1e9,
+                    "free_gb": shutil.disk_usage(folder).free / 1e9,
                 })  # fmt: skip
                 print("  " + ", ".join(f"{k} {v:.2f}" for k, v in rows[-1].items()), flush=True)
                 last, next_report = counters, next_report + args.interval_s
