@@ -320,7 +320,8 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
             assert reason is not None
             self._stats.drop(reason, nbytes)
             if reason in _WAITABLE and self._shortfall.message is None:
-                self._shortfall.drop(self.counters(), reason.value, tag, step)
+                recent = self._writer.recent_rate()
+                self._shortfall.drop(self.counters(), reason.value, tag, step, recent)
         return rec
 
     @hot_path

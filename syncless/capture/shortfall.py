@@ -36,23 +36,38 @@ class Shortfall:
         self.message: str | None = None
 
     def explain(
-        self, counters: Mapping[str, float], reason: str, tag: str, step: int | None
+        self,
+        counters: Mapping[str, float],
+        reason: str,
+        tag: str,
+        step: int | None,
+        recent_sink: tuple[float, int] | None = None,
     ) -> str:
         """The message for a drop now, from the engine's ``counters()`` (cumulative
-        counters and current gauges)."""
+        counters and current gauges) and the sink's rate over its last shards
+        (:meth:`SinkWriter.recent_rate <syncless.capture.writer.SinkWriter.recent_rate>`):
+        GB/s and how many shards."""
         elapsed = time.monotonic() - (self.started or time.monotonic())
         need = _rate(counters["offered_bytes"], elapsed)
         stored = _rate(counters["stored_bytes"], elapsed)
         d2h = _rate(counters["d2h_bytes"], counters["d2h_ms"] / 1e3)
-        sink = _rate(counters["stored_bytes"], counters["sink_ms"] / 1e3 / self._writers)
+        average = _rate(counters["stored_bytes"], counters["sink_ms"] / 1e3 / self._writers)
+        # The rate the sink keeps now: a disk's page cache takes the first minutes at
+        # memory speed, and only the recent shards show the disk behind it.
+        sink = recent_sink[0] if recent_sink else average
+        sink_rate = f"{_gbps(average)} while it writes"
+        if recent_sink:
+            sink_rate = (
+                f"{_gbps(sink)} over its last {recent_sink[1]} shards ({_gbps(average)} "
+                f"on average while it writes)"
+            )
         where = f" at step {step}" if step is not None else ""
         writers = f", {self._writers} writers" if self._writers > 1 else ""
         text = (
             f"syncless: capture dropped its first record ({reason}, tag {tag!r}{where}). "
             f"Captures arrive at {_gbps(need)} since the first, {elapsed:.1f} s ago; "
             f"{_gbps(stored)} of it was stored. The device-to-host copies run at "
-            f"{_gbps(d2h)}, the sink ({self._sink_name}{writers}) writes {_gbps(sink)} "
-            f"while it writes. "
+            f"{_gbps(d2h)}, the sink ({self._sink_name}{writers}) writes {sink_rate}. "
         )
         if reason == "records_full":
             text += (
@@ -77,11 +92,18 @@ class Shortfall:
             f'printed; on_full="block" slows the step instead of dropping.'
         )
 
-    def drop(self, counters: Mapping[str, float], reason: str, tag: str, step: int | None) -> None:
+    def drop(
+        self,
+        counters: Mapping[str, float],
+        reason: str,
+        tag: str,
+        step: int | None,
+        recent_sink: tuple[float, int] | None = None,
+    ) -> None:
         """A record found no room: print the explanation the first time."""
         if self.message is not None:
             return
-        self.message = self.explain(counters, reason, tag, step)
+        self.message = self.explain(counters, reason, tag, step, recent_sink)
         print(self.message, file=sys.stderr)
 
 

@@ -122,6 +122,60 @@ def test_the_first_drop_behind_a_slow_sink_names_the_sink(capsys) -> None:
     assert sink.written + dropped == 36  # every record stored or counted
 
 
+class SlowingSink:
+    """Writes at memory speed for its first ``fast`` shards, then takes ``delay_s`` per
+    shard: a disk whose page cache has filled."""
+
+    concurrent_writes = False
+
+    def __init__(self, fast: int, delay_s: float) -> None:
+        self.fast, self.delay_s = fast, delay_s
+        self.shards = 0
+        self.written = 0
+
+    def write(self, records) -> None:
+        self.shards += 1
+        if self.shards > self.fast:
+            time.sleep(self.delay_s)
+        self.written += len(records)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_first_drop_quotes_the_rate_the_sink_keeps_now_not_its_average(capsys) -> None:
+    import re
+
+    record = torch.zeros(MiB // 4)  # 1 MiB: one record per shard
+    sink = SlowingSink(fast=24, delay_s=0.02)
+    config = EngineConfig(shard_bytes=MiB, writers=1)
+    engine = CaptureEngine(8 * MiB, 4 * MiB, sink, device="cpu", config=config)
+    try:
+        with no_sync():
+            for i in range(24):  # the fast shards, each stored before the next capture
+                assert engine.capture("x", record, step=i)
+                assert wait_until(lambda i=i: sink.written == i + 1)
+            step = 24
+            while engine.shortfall is None and step < 500:
+                # Twice what the slow sink takes: the ring and staging (12 MiB) fill in
+                # about a quarter second, a dozen slow shards.
+                engine.capture("x", record, step=step)
+                time.sleep(0.01)
+                step += 1
+    finally:
+        engine.close()
+    text = engine.shortfall
+    assert text is not None and "the sink is the limit" in text
+    found = re.search(r"writes ([0-9.]+) GB/s over its last (\d+) shards \(([0-9.]+) GB/s", text)
+    assert found, text
+    recent, shards, average = float(found[1]), int(found[2]), float(found[3])
+    assert shards == 4  # 4 per worker, one worker
+    slow = MiB / 0.02 / 1e9  # 0.05 GB/s: what a slow shard takes at least
+    assert 0.25 * slow <= recent <= 1.05 * slow, text  # the slow shards (a busy host: slower)
+    assert average > 2 * recent  # the fast shards lift the average, not the advice
+    assert f"Keep the volume under {recent:.2f} GB/s" in text
+
+
 def test_a_burst_into_a_ring_nobody_drains_names_the_ring(capsys) -> None:
     record = torch.zeros(64 * 1024 // 4)
     engine = CaptureEngine(MiB, 256 * 1024, MemorySink(), device="cpu", background=False)
