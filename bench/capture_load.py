@@ -207,7 +207,9 @@ class CaptureMode:
 
     def close(self, totals: dict[str, list[float]]) -> None:
         seconds = time.perf_counter() - self.start
-        self.engine.report(0)  # brings the threads' CPU time into the counters
+        # Brings the threads' CPU time into the counters; the drain's longest look in
+        # the segment is about the longest the training thread can have waited on it.
+        look_max = self.engine.report(0)["capture/self/drain_look_max_ms"]
         during = self.engine.counters()
         for h in self.hooks:
             h.remove()
@@ -219,6 +221,7 @@ class CaptureMode:
         for key in ("offered_bytes", "stored_bytes", "drain_cpu_ms", "writer_cpu_ms"):
             totals.setdefault(key, []).append(delta[key])
         totals.setdefault("dropped", []).append(sum(self.engine.dropped().values()))
+        totals.setdefault("look_max_ms", []).append(look_max)
         for kind, values in self.times.items():
             totals.setdefault(f"host_{kind}", []).extend(values)
 
@@ -267,7 +270,8 @@ def run_training(args: argparse.Namespace, device, matmul, folder: Path) -> list
             f"{sum(t['offered_bytes']) / secs / 1e9:.2f} GB/s, stored "
             f"{sum(t['stored_bytes']) / secs / 1e9:.2f} GB/s, dropped {int(sum(t['dropped']))}; "
             f"drain CPU {sum(t['drain_cpu_ms']) / secs / 10:.1f}%, writer CPU "
-            f"{sum(t['writer_cpu_ms']) / secs / 10:.1f}% of a core; capture() host us/call "
+            f"{sum(t['writer_cpu_ms']) / secs / 10:.1f}% of a core, its longest look "
+            f"{max(t['look_max_ms']):.2f} ms; capture() host us/call "
             f"large median {statistics.median(t['host_large']):.1f} "
             f"p99 {pct(t['host_large'], 99):.1f} (CPU median "
             f"{statistics.median(t['host_large_cpu']):.1f})"

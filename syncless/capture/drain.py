@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -302,8 +303,10 @@ class DrainWorker:
                 if drv is not None:
                     drv.relax_capture_mode()
             while not self._stopping:
-                self._stats.add("drain_loops_count")
-                if not self.step():
+                start = time.thread_time()
+                moved = self.step()
+                self._stats.look(time.thread_time() - start)
+                if not moved:
                     self._idle()
         except BaseException as e:
             self._die(e)

@@ -29,6 +29,7 @@ _SELF = (
     "capture_host_ms",
     "boundary_host_ms",
     "drain_loops_count",
+    "drain_look_ms",
     "drain_cpu_ms",
     "writer_cpu_ms",
 )
@@ -72,6 +73,7 @@ class EngineReporting:
         values: dict[str, float] = {}
         for name, value in self._stats.deltas().items():
             values[f"capture/{'self' if name in _SELF else 'step'}/{name}"] = value
+        values["capture/self/drain_look_max_ms"] = self._stats.take_look_max()
         gauges = self._gauges()
         values.update({f"capture/step/{name}": gauges[name] for name in GAUGES})
         if self._run is not None:

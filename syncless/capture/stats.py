@@ -80,6 +80,7 @@ COUNTERS: tuple[str, ...] = (
     "capture_host_ms",  # host time inside capture() (the engine bills itself)
     "boundary_host_ms",  # host time inside advance_boundary()
     "drain_loops_count",  # drain iterations (each takes the GIL once at least)
+    "drain_look_ms",  # their CPU time (the longest: capture/self/drain_look_max_ms)
     "drain_cpu_ms",  # CPU time of the drain thread (Linux; 0 where unknown)
     "writer_cpu_ms",  # CPU time of the sink writer thread (Linux; 0 where unknown)
 )
@@ -140,7 +141,7 @@ class _PerThread(threading.local):
 class CaptureStats:
     """Thread-safe cumulative counters with per-step deltas."""
 
-    __slots__ = ("_last", "_local", "_lock", "_threads", "_values")
+    __slots__ = ("_last", "_local", "_lock", "_look_max", "_threads", "_values")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -148,6 +149,7 @@ class CaptureStats:
         self._last: dict[str, float] = dict(self._values)
         self._threads: list[ThreadCounts] = []
         self._local = _PerThread(self._threads)
+        self._look_max = 0.0
 
     @hot_path
     def thread_counts(self) -> ThreadCounts:
@@ -165,6 +167,24 @@ class CaptureStats:
         with self._lock:
             self._values[name_a] += a
             self._values[name_b] += b
+
+    def look(self, seconds: float) -> None:
+        """One iteration of the drain, ``seconds`` of its thread's CPU time. Its Python
+        holds the GIL for most of that (not for the driver calls that let go of it), so
+        the longest is about the longest a training thread can have waited on the drain
+        at once. CPU time, not wall time: the wall time of a look also counts its waits
+        for the GIL, which the training thread held."""
+        ms = seconds * 1e3
+        with self._lock:
+            self._values["drain_loops_count"] += 1
+            self._values["drain_look_ms"] += ms
+            self._look_max = max(self._look_max, ms)
+
+    def take_look_max(self) -> float:
+        """The longest drain iteration (ms) since the last call."""
+        with self._lock:
+            longest, self._look_max = self._look_max, 0.0
+        return longest
 
     def uncapture(self, reason: DropReason, nbytes: int) -> None:
         """A record counted as captured is lost after all (a deferred copy)."""

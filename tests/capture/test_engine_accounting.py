@@ -249,3 +249,37 @@ def test_counts_stay_exact_with_captures_from_several_threads() -> None:
     for r in stored:  # each record is its thread's tensor
         assert torch.equal(r.tensor(), torch.full((sizes[r.tag],), float(ord(r.tag))))
     assert counters["capture_host_ms"] > 0
+
+
+def test_report_gives_the_drains_longest_look_since_the_last_report(monkeypatch) -> None:
+    from syncless.capture.drain import DrainWorker
+    from syncless.guard import no_sync
+
+    slow_s = 0.05
+    original = DrainWorker.step
+    slowed = []
+
+    def step(self) -> bool:  # the first look that finds records burns slow_s of CPU
+        if not slowed and len(self._queue):
+            slowed.append(True)
+            begin = time.thread_time()
+            while time.thread_time() - begin < slow_s:
+                pass
+        return original(self)
+
+    monkeypatch.setattr(DrainWorker, "step", step)
+    engine = CaptureEngine(1 << 20, 1 << 16, MemorySink(), device="cpu")
+    with no_sync():
+        engine.capture("x", torch.zeros(16))
+    engine.flush()
+    first = engine.report(step=0)
+    assert slowed
+    assert first["capture/self/drain_look_max_ms"] >= slow_s * 1e3
+    assert first["capture/self/drain_look_ms"] >= first["capture/self/drain_look_max_ms"]
+    assert first["capture/self/drain_loops_count"] >= 1
+    with no_sync():
+        engine.capture("y", torch.zeros(16))
+    engine.flush()
+    second = engine.report(step=1)  # the slow look was before the last report
+    assert second["capture/self/drain_look_max_ms"] < slow_s * 1e3
+    engine.close()
