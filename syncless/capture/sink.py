@@ -42,6 +42,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from syncless.run.atomic import replaced_when_written
+
 __all__ = [
     "CAPTURES_DIR",
     "INDEX_SCHEMA",
@@ -216,19 +218,20 @@ class SafetensorsSink(ShardFiles):
     def _write_shard(self, stem: str, records: Sequence[CapturedRecord]) -> None:
         header, keys = shard_header(records, self.rank)
         data_start = 8 + len(header)
-        tmp = self.dir / f".{stem}.safetensors.tmp"
-        with open(tmp, "wb") as f:
+        with replaced_when_written(self.dir / f"{stem}.safetensors") as tmp, open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(header)))
             f.write(header)
             for r in records:
                 if r.nbytes:
                     f.write(memoryview(r.data.numpy()))
-        os.replace(tmp, self.dir / f"{stem}.safetensors")
-
-        table = index_table(records, f"{stem}.safetensors", keys, data_start)
-        tmp = self.dir / f".{stem}.parquet.tmp"
-        pq.write_table(table, tmp)
-        os.replace(tmp, self.dir / f"{stem}.parquet")
+        try:
+            table = index_table(records, f"{stem}.safetensors", keys, data_start)
+            with replaced_when_written(self.dir / f"{stem}.parquet") as tmp:
+                pq.write_table(table, tmp)
+        except BaseException:
+            # Its records are counted as dropped: the shard must not hold disk either.
+            (self.dir / f"{stem}.safetensors").unlink(missing_ok=True)
+            raise
 
     def close(self) -> None:
         pass

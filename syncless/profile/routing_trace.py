@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from syncless.hot_path import hot_path
+from syncless.run.atomic import replaced_when_written
 
 
 class RoutingTrace:
@@ -70,8 +71,6 @@ class RoutingTrace:
         if event is not None:
             event.synchronize()  # a step later: long complete
         arrays = {f"layer_{layer:02d}": a.copy() for layer, (_, a) in sorted(layers.items())}
-        tmp = self.dir / f".step_{step:07d}.npz.tmp"
-        with open(tmp, "wb") as f:
+        with replaced_when_written(self.dir / f"step_{step:07d}.npz") as tmp, open(tmp, "wb") as f:
             np.savez(f, **arrays)
-        os.replace(tmp, self.dir / f"step_{step:07d}.npz")
         self.files_written += 1

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from syncless.run.atomic import replaced_when_written
 from syncless.run.records import StepRecord, StepRecords
 
 SCHEMA = pa.schema(
@@ -165,8 +166,7 @@ class ParquetSink:
 
     def _write_shard(self, records: StepRecords) -> None:
         name = f"rank{self.rank:05d}-{self._seq:06d}.parquet"
-        tmp = self.dir / f".{name}.tmp"
-        pq.write_table(records_to_table(records), tmp)
-        os.replace(tmp, self.dir / name)
+        with replaced_when_written(self.dir / name) as tmp:
+            pq.write_table(records_to_table(records), tmp)
         self._seq += 1
         self.shards_written += 1

@@ -159,3 +159,35 @@ def test_strict_mode_raises_sink_errors_on_the_training_thread() -> None:
         engine.flush()
     engine.close()
     assert engine.dropped()["sink_error"] == 2
+
+
+@pytest.mark.parametrize("failing", ["tensors", "index"])
+def test_a_write_that_fails_on_a_full_disk_leaves_no_file_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    # A failed shard's records are counted as dropped; a partial file, or a shard with
+    # no index, would also hold the disk space the next write needs.
+    import syncless.capture.sink as sink_module
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    sink = SafetensorsSink(tmp_path, rank=0)
+    x = torch.arange(1000, dtype=torch.float32)
+    with monkeypatch.context() as patch:
+        if failing == "tensors":
+            patch.setattr(sink_module.struct, "pack", full_disk)
+        else:
+            patch.setattr(sink_module.pq, "write_table", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            sink.write([record(0, x)])
+    folder = tmp_path / "captures"
+    assert [p.name for p in folder.iterdir()] == []  # hidden temporaries included
+    sink.write([record(1, x)])  # the disk has room again; the number is free again too
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "rank00000-000001.parquet",
+        "rank00000-000001.safetensors",
+    ]
+    (row,) = pq.read_table(folder / "rank00000-000001.parquet").to_pylist()
+    blob = (folder / "rank00000-000001.safetensors").read_bytes()
+    assert blob[row["offset"] : row["offset"] + row["nbytes"]] == x.numpy().tobytes()
