@@ -75,7 +75,8 @@ def thread_ns() -> int:
     return time.thread_time_ns() if _THREAD_CLOCK else 0
 
 
-_THREAD_CLOCK = hasattr(time, "thread_time_ns")
+# False skips the clock: it was ruled out as a cost of its own (bench/RESULTS.md, 715f87e).
+_THREAD_CLOCK = True
 
 
 def write_files(folder: Path, total: int, chunk: int, writers: int) -> tuple[float, float]:

@@ -15,8 +15,8 @@ One loop, on a thread of its own (or stepped by the caller, ``background=False``
    launch_plan`, the default on CUDA; otherwise when the drain sees the OPEN); without
    one (ordinary batching): copy the largest ready prefix that fits in staging.
 
-The worker runs the loop, its lifecycle and the requests. The objects it owns hold
-the rest: the transfers in flight (:mod:`syncless.capture.drain_transfers`) and their
+The worker runs the loop and its lifecycle; the requests are served by
+:mod:`syncless.capture.drain_requests`. The objects it owns hold the rest: the transfers in flight (:mod:`syncless.capture.drain_transfers`) and their
 copies into the pinned staging ring (:mod:`syncless.capture.staging_copy`), the windows
 (:mod:`syncless.capture.drain_windows`) and their reports
 (:mod:`syncless.capture.window_reports`), and batching without windows
@@ -30,13 +30,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from syncless.capture.boundary import BoundaryClock
-from syncless.capture.controller import FlushKind, GrantController
+from syncless.capture.controller import GrantController
 from syncless.capture.drain_batching import HELD_WAKE, DrainBatching
+from syncless.capture.drain_requests import MAX_INFLIGHT, DrainRequests, Request
 from syncless.capture.drain_transfers import DrainTransfers
 from syncless.capture.drain_windows import DrainWindows, Plan
 from syncless.capture.records import Record, RecordQueue
@@ -49,22 +49,8 @@ from syncless.hot_path import hot_path
 
 __all__ = ["DrainWorker", "WindowReport"]
 
-# Transfers in flight at once. Two keep the copy engine busy: the next copy is queued on
-# the copy stream while the host finishes the previous one (releases its ring space,
-# hands it to the writer), so the host's turnaround does not show up as idle PCIe time.
-_MAX_INFLIGHT = 2
 
-
-@dataclass(eq=False)
-class _Request:
-    kind: str  # lifecycle | capacity | block
-    upto: int  # lifecycle, capacity: drain every record up to this sequence number
-    need: int  # block: bytes the waiting record needs
-    done: threading.Event = field(default_factory=threading.Event)
-    started: bool = False
-
-
-class DrainWorker:
+class DrainWorker(DrainRequests):
     """Moves ready records from the device ring to the writer (see the module docstring)."""
 
     def __init__(
@@ -100,7 +86,7 @@ class DrainWorker:
         # Batching (no windows): captures leave their landing event to the drain
         # (syncless.capture.ring_copy explains why, and why not in windows).
         self.defer_landing = True
-        self._requests: deque[_Request] = deque()  # served in order, by the drain only
+        self._requests: deque[Request] = deque()  # served in order, by the drain only
         self._requests_lock = threading.Lock()  # against a request racing the drain's death
         self._planned = planned
         self.error: BaseException | None = None
@@ -208,30 +194,6 @@ class DrainWorker:
         waits for it (:meth:`DrainWindows.launch_plan`)."""
         self._windows.launch_plan(version, boundary)
 
-    # -- requests from other threads -------------------------------------------------
-
-    def request(self, kind: str, need: int = 0) -> _Request:
-        """Drain outside the windows: ``lifecycle`` (everything captured so far, written
-        by the sink), ``capacity`` (everything captured so far, out of the ring) or
-        ``block`` (until a record of ``need`` bytes fits)."""
-        req = _Request(kind, self._queue.last_seq, need)
-        with self._requests_lock:
-            if self.error is not None:
-                req.done.set()  # nobody will serve it: the caller sees drain_error
-            else:
-                self._requests.append(req)
-        self._wake.set()
-        return req
-
-    def wait(self, req: _Request) -> None:
-        """Wait for ``req``: on the worker, or by stepping the drain here (inline mode)."""
-        if self._thread is not None:
-            req.done.wait()
-            return
-        while not req.done.is_set():
-            if not self.step():
-                self._idle()
-
     def _idle(self) -> None:
         """Nothing moved this iteration: sleep until something can.
 
@@ -333,7 +295,7 @@ class DrainWorker:
         windowed = self._windowed()
         self._eager = self._planned and windowed
         self.defer_landing = not windowed
-        if not self._requests and len(self._transfers.inflight) < _MAX_INFLIGHT:
+        if not self._requests and len(self._transfers.inflight) < MAX_INFLIGHT:
             if windowed:
                 progressed |= self._windows.serve()
             else:
@@ -347,57 +309,3 @@ class DrainWorker:
         with self._ctl_lock:
             ctl = self._ctl
             return ctl.pattern is not None and not ctl.suspended and not ctl.fallback
-
-    # -- 3. requests ----------------------------------------------------------------------
-
-    def _serve_requests(self) -> bool:
-        if not self._requests:
-            return False
-        if self._planned:
-            self._windows.drop_plan()  # a planned copy would take records the request drains now
-        req = self._requests[0]
-        if not req.started:
-            req.started = True
-            if req.kind == "block" and self._queue.can_fit(req.need):
-                self._requests.popleft()
-                req.done.set()
-                return True
-            self._stats.add(f"flush_{'lifecycle' if req.kind == 'lifecycle' else 'capacity'}_count")
-            kind = FlushKind.LIFECYCLE if req.kind == "lifecycle" else FlushKind.CAPACITY
-            with self._ctl_lock:
-                if self._ctl.pattern is not None:
-                    self._ctl.flush(kind, self._windows.occurrence)
-        if self._request_done(req):
-            if req.kind == "lifecycle":
-                self._writer.flush()
-            self._requests.popleft()
-            req.done.set()
-            return True
-        transfers = self._transfers
-        if len(transfers.inflight) >= _MAX_INFLIGHT:
-            return False
-        if transfers.send_oversized_head():
-            return True
-        if req.kind == "block" and self._windowed():
-            prefix = transfers.ready_prefix(self._staging.largest(), stop_after=req.need)
-        else:
-            # Batching, a flush goes in shard-sized transfers too: a capture blocked on a
-            # full ring otherwise had the drain take all of staging at once, one shard
-            # for one writer (4 writers stored 3.35 GB/s where the disk took 11.8 from
-            # four threads; bench/capture_load.py, 9fc45db).
-            upto = None if req.kind == "block" else req.upto
-            windowed = self._windowed()
-            limit = self._staging.largest() if windowed else self._batching.limit()
-            prefix = transfers.ready_prefix(limit, upto=upto)
-        if not prefix:
-            transfers.maybe_kick_writer()
-            return False
-        transfers.issue(prefix, "flush")
-        return True
-
-    def _request_done(self, req: _Request) -> bool:
-        if self._queue.failed:
-            return True
-        if req.kind == "block":
-            return self._queue.closed or self._queue.can_fit(req.need)
-        return len(self._queue) == 0 or self._queue.peek(0).seq > req.upto

@@ -272,7 +272,7 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
         if self._strict:
             self._raise_errors()
         if on_full is not None:
-            check_on_full(on_full)
+            on_full = check_on_full(on_full)  # checked here, used only without room
         stream = self._copier.stream()
         check_capture(tag, tensor, step, self._device, stream)
         nbytes = tensor.nbytes
@@ -312,7 +312,7 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
     ) -> Record | None:
         """No record for this capture now: wait for room if the policy says so, else
         count the drop (and explain the first for lack of room)."""
-        policy = self._on_full if on_full is None else check_on_full(on_full)
+        policy = self._on_full if on_full is None else on_full
         rec = None
         if policy != "drop" and reason in _WAITABLE:
             rec, reason = self._wait_for_room(tag, step, tensor, nbytes, meta, policy)

@@ -35,18 +35,21 @@ class Shortfall:
         self.started: float | None = None  # monotonic time of the first capture
         self.message: str | None = None
 
-    def explain(
+    def drop(
         self,
         counters: Mapping[str, float],
         reason: str,
         tag: str,
         step: int | None,
         recent_sink: tuple[float, int] | None = None,
-    ) -> str:
-        """The message for a drop now, from the engine's ``counters()`` (cumulative
-        counters and current gauges) and the sink's rate over its last shards
+    ) -> None:
+        """A record found no room: the first time, say why on stderr and keep it as
+        :attr:`message`. From the engine's ``counters()`` (cumulative counters and
+        current gauges) and the sink's rate over its last shards
         (:meth:`SinkWriter.recent_rate <syncless.capture.writer.SinkWriter.recent_rate>`):
         GB/s and how many shards."""
+        if self.message is not None:
+            return
         elapsed = time.monotonic() - (self.started or time.monotonic())
         need = _rate(counters["offered_bytes"], elapsed)
         stored = _rate(counters["stored_bytes"], elapsed)
@@ -87,23 +90,10 @@ class Shortfall:
                 f"filled faster than the drain emptied it: raise ring_bytes for bursts, "
                 f"or capture less if the average rate is above the copies' rate."
             )
-        return text + (
+        self.message = text + (
             f" Further drops are counted (capture/step/dropped_{reason}_count), not "
             f'printed; on_full="block" slows the step instead of dropping.'
         )
-
-    def drop(
-        self,
-        counters: Mapping[str, float],
-        reason: str,
-        tag: str,
-        step: int | None,
-        recent_sink: tuple[float, int] | None = None,
-    ) -> None:
-        """A record found no room: print the explanation the first time."""
-        if self.message is not None:
-            return
-        self.message = self.explain(counters, reason, tag, step, recent_sink)
         print(self.message, file=sys.stderr)
 
 

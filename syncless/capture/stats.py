@@ -109,25 +109,6 @@ class ThreadCounts:
         self.captured_bytes = 0
         self.host_ns = 0
 
-    def totals(self) -> tuple[int, int, int, int, float]:
-        return (
-            self.offered_count,
-            self.offered_bytes,
-            self.captured_count,
-            self.captured_bytes,
-            self.host_ns / 1e6,
-        )
-
-
-# The counters ThreadCounts.totals() holds, in its order.
-_THREAD_COUNTERS = (
-    "offered_count",
-    "offered_bytes",
-    "captured_count",
-    "captured_bytes",
-    "capture_host_ms",
-)
-
 
 class _PerThread(threading.local):
     """This thread's :class:`ThreadCounts`, made on its first capture and listed in
@@ -211,8 +192,11 @@ class CaptureStats:
         with self._lock:
             values = dict(self._values)
         for counts in list(self._threads):
-            for name, value in zip(_THREAD_COUNTERS, counts.totals(), strict=True):
-                values[name] += value
+            values["offered_count"] += counts.offered_count
+            values["offered_bytes"] += counts.offered_bytes
+            values["captured_count"] += counts.captured_count
+            values["captured_bytes"] += counts.captured_bytes
+            values["capture_host_ms"] += counts.host_ns / 1e6
         return values
 
     def deltas(self) -> dict[str, float]:
