@@ -37,6 +37,7 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -335,7 +336,17 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=300.0)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--no-append", action="store_true")
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for the run (seconds; CPython's default is 0.005)",
+    )
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        # How long a thread that wants the GIL waits before it forces a switch: if the
+        # engine's cost moves with it, the training thread waits on the GIL.
+        sys.setswitchinterval(args.switch_interval)
     args.modes = args.modes.split(",")
     if args.tiny:
         args.ring_mb, args.staging_mb, args.disk_gb = 64, 16, 0.25
