@@ -49,7 +49,7 @@ from hf_models import bench_device, build_workload, model_specs, throughput, tin
 from results import append_result
 from segments import ModelState, Segment, measure, round_overheads
 
-from syncless.capture import CaptureEngine, EngineConfig, SafetensorsSink
+from syncless.capture import CaptureEngine, EngineConfig, SafetensorsSink, drain
 
 MiB = 1 << 20
 MODES = (
@@ -155,7 +155,12 @@ class CaptureMode:
         sink = NullSink() if mode == "null" or mixed else SafetensorsSink(folder)
         writers = 1 if mode == "disk-1" else args.writers
         defer = DEFER_BELOW.get(mode, 0)
-        config = EngineConfig(writers=writers, defer_copy_below=defer)
+        config = EngineConfig(
+            writers=writers,
+            defer_copy_below=defer,
+            gather_bytes=args.gather_mb * MiB if args.gather_mb else None,
+            gather_interval_s=args.gather_s,
+        )
         self.engine = CaptureEngine(args.ring_mb * MiB, args.staging_mb * MiB, sink, config=config)
         # torch-copy: the engine stays idle (its counters read zero); the hooks copy.
         self.copy = self._torch_copy if mode == "torch-copy" else self.engine.capture
@@ -336,6 +341,16 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=300.0)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--gather-mb", type=int, default=None, help="EngineConfig.gather_bytes")
+    parser.add_argument(
+        "--gather-s", type=float, default=0.02, help="EngineConfig.gather_interval_s"
+    )
+    parser.add_argument(
+        "--held-wake",
+        type=int,
+        default=None,
+        help="deferred captures that wake the drain (syncless.capture.drain.HELD_WAKE)",
+    )
     parser.add_argument(
         "--switch-interval",
         type=float,
@@ -343,6 +358,8 @@ def main() -> None:
         help="sys.setswitchinterval for the run (seconds; CPython's default is 0.005)",
     )
     args = parser.parse_args()
+    if args.held_wake is not None:
+        drain.HELD_WAKE = args.held_wake
     if args.switch_interval is not None:
         # How long a thread that wants the GIL waits before it forces a switch: if the
         # engine's cost moves with it, the training thread waits on the GIL.
