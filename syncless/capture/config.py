@@ -64,12 +64,18 @@ class EngineConfig:
             (default: the staging ring over ``writers + 1``, so every writer can be busy
             with a shard while the drain fills the next).
         shard_interval_s: ... or once the oldest waiting batch is this old.
-        gather_bytes: a batching drain is woken once this many bytes were captured
-            since it last looked (default: the smaller of an eighth of the ring and a
-            shard, so the drain starts with most of the ring free) ...
-        gather_interval_s: ... or looks this long after the first record it has not
-            taken. Captures in between pile up and go in one transfer, so the drain's
-            Python (which holds the GIL) runs per transfer, not per capture.
+        gather_bytes: a batching drain takes records once the captures pause (see
+            ``gather_quiet_s``), or once this many bytes wait (default half the ring:
+            a step's captures fit before the pause, where the ring allows) ...
+        gather_interval_s: ... or this long after the first record it has not taken.
+            Captures in between pile up and go in one transfer, so the drain's Python
+            (which holds the GIL) runs per transfer, not per capture.
+        gather_quiet_s: the pause: no capture for this long. Captures come while the
+            training thread enqueues the forward, when a GPU-bound step waits on it;
+            they pause while it waits itself (the backward, the loss read-back). The
+            drain's Python then takes nothing from it (docs/capture.md, "The drain
+            gathers"). Captures further apart than this are taken one look each: raise
+            it for a loop that captures once every few milliseconds.
         writers: shards the sink writes at once, each on a thread of its own (a sink
             with ``concurrent_writes = False`` gets one). Several files in flight use
             the page cache's and the drive's parallelism or an object store's parallel
@@ -96,7 +102,8 @@ class EngineConfig:
     shard_bytes: int | None = None
     shard_interval_s: float = 5.0
     gather_bytes: int | None = None
-    gather_interval_s: float = 0.02
+    gather_interval_s: float = 0.05
+    gather_quiet_s: float = 0.005
     writers: int = 4
     planned_windows: bool | None = None
     defer_copy_below: int = 0
@@ -115,6 +122,7 @@ class EngineConfig:
         if self.gather_bytes is not None:
             positive_int(self.gather_bytes, "EngineConfig.gather_bytes")
         positive_float(self.gather_interval_s, "EngineConfig.gather_interval_s")
+        positive_float(self.gather_quiet_s, "EngineConfig.gather_quiet_s")
         positive_int(self.writers, "EngineConfig.writers")
         positive_int(self.defer_copy_below, "EngineConfig.defer_copy_below", 0)
 

@@ -69,12 +69,14 @@ class DrainWorker(DrainRequests):
         poll_interval_s: float,
         gather_bytes: int,
         gather_s: float,
+        quiet_s: float,
         batch_bytes: int,
         reports: int = 4096,
         planned: bool = False,
         copy_held: Callable[[list[Record]], list[DropReason | None]] | None = None,
     ) -> None:
         self._queue = queue
+        self._ring_bytes = queue.ring
         self._device = ring.device
         self._timeline = boundary.timeline
         self._ctl = controller
@@ -133,6 +135,7 @@ class DrainWorker(DrainRequests):
             poll_interval_s=poll_interval_s,
             gather_bytes=gather_bytes,
             gather_s=gather_s,
+            quiet_s=quiet_s,
             batch_bytes=batch_bytes,
         )
 
@@ -219,25 +222,27 @@ class DrainWorker(DrainRequests):
         if not self._windows.idle():
             self._sleep(self._poll)
 
-    def _sleep(self, timeout_s: float) -> None:
-        """Until woken (``notify``, a request, staging space) or ``timeout_s``."""
-        self._wake.wait(timeout_s)
+    def _sleep(self, timeout_s: float) -> bool:
+        """Until woken (``notify``, a request, staging space; True) or ``timeout_s``."""
+        woken = self._wake.wait(timeout_s)
         # Cleared before the next look at the ring: a wake after this is not lost.
         self._wake.clear()
+        return woken
 
     def notify(self) -> None:
         """Something changed that an idle drain must see now: wake it."""
         self._wake.set()
 
     @hot_path
-    def captured(self, span: int, held: bool = False) -> None:
-        """A record of ``span`` ring bytes was captured (``held``: its copy deferred to
-        the drain): wake the drain if enough piled up (or always, for planned windows,
-        which plan as soon as records are ready). The unlocked counts may lose an update
-        to a race with the drain's reset; that only delays the wake until the drain's
-        next look, ``gather_s`` at most."""
+    def captured(self, held: bool = False) -> None:
+        """A record was captured (``held``: its copy deferred to the drain): wake the
+        drain if it is parked, if ``gather_bytes`` wait in the ring, or if many copies
+        are held (or always, for planned windows, which plan as soon as records are
+        ready). The unlocked counts may lose an update to a race with the drain's
+        reset; that only delays the wake until the drain's next look, ``gather_s`` at
+        most."""
         batching = self._batching
-        batching.gathered += span
+        batching.captures += 1
         if held:
             batching.held += 1
         wake = self._wake
@@ -246,7 +251,9 @@ class DrainWorker(DrainRequests):
         if (
             self._eager
             or batching.parked
-            or batching.gathered >= batching.gather_bytes
+            # The ring's bytes, as the drain judges them: a count since its last look
+            # would need gather_bytes more on top of what it left behind.
+            or self._ring_bytes.live_bytes >= batching.gather_bytes
             or batching.held >= HELD_WAKE
         ):
             wake.set()

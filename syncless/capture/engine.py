@@ -166,8 +166,9 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
             rank=self._rank,
             late_issue_s=cfg.late_issue_s,
             poll_interval_s=cfg.poll_interval_s,
-            gather_bytes=cfg.gather_bytes or max(cfg.align, min(ring_bytes // 8, shard_bytes)),
+            gather_bytes=cfg.gather_bytes or max(cfg.align, ring_bytes // 2),
             gather_s=cfg.gather_interval_s,
+            quiet_s=cfg.gather_quiet_s,
             batch_bytes=shard_bytes,
             planned=self._cuda if cfg.planned_windows is None else cfg.planned_windows,
             copy_held=self._copier.copy_held,
@@ -293,7 +294,7 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
                 self._stats.drop(DropReason.COPY_ERROR, nbytes)
                 raise
             rec.state = WRITTEN
-            self._drain.captured(rec.span, rec.source is not None)
+            self._drain.captured(rec.source is not None)
             counts.captured_count += 1
             counts.captured_bytes += nbytes
         counts.host_ns += time.perf_counter_ns() - t0

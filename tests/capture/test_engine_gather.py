@@ -31,7 +31,9 @@ def stored_within(engine: CaptureEngine, count: int, seconds: float) -> bool:
 
 def test_captures_pile_up_until_gather_bytes_then_go_in_one_transfer() -> None:
     sink = MemorySink()
-    config = EngineConfig(gather_bytes=10 * 4096, gather_interval_s=30.0, shard_interval_s=0.01)
+    config = EngineConfig(
+        gather_bytes=10 * 4096, gather_interval_s=30.0, gather_quiet_s=30.0, shard_interval_s=0.01
+    )
     engine = CaptureEngine(16 * MiB, 4 * MiB, sink, device="cpu", config=config)
     n = 100
     with no_sync():
@@ -45,6 +47,30 @@ def test_captures_pile_up_until_gather_bytes_then_go_in_one_transfer() -> None:
     assert transfers <= n // 10 + 3, transfers
     assert [r.step for r in sink.records] == list(range(n))
     assert all(torch.equal(t, RECORD) for t in sink.tensors())
+
+
+def test_the_drain_takes_records_at_the_pause_not_while_captures_come() -> None:
+    """Captures 2 ms apart, in bursts 0.3 s apart, with a 0.15 s pause rule and no byte
+    or time limit in reach: the drain takes each burst whole, once it has ended."""
+    sink = MemorySink()
+    config = EngineConfig(
+        gather_bytes=1 << 30, gather_interval_s=30.0, gather_quiet_s=0.15, shard_interval_s=0.01
+    )
+    engine = CaptureEngine(16 * MiB, 4 * MiB, sink, device="cpu", config=config)
+    bursts, size = 3, 20
+    try:
+        for burst in range(bursts):
+            with no_sync():
+                for i in range(size):
+                    engine.capture("x", RECORD, step=burst * size + i)
+                    time.sleep(0.002)  # releases the GIL: the drain could look now
+            # The burst is over, the pause not yet: nothing of it has left the ring.
+            assert engine.counters()["d2h_count"] == burst
+            assert stored_within(engine, (burst + 1) * size, seconds=5.0), engine.counters()
+    finally:
+        engine.close()
+    assert engine.counters()["d2h_count"] == bursts  # one transfer per burst
+    assert [r.step for r in sink.records] == list(range(bursts * size))
 
 
 def test_a_lone_capture_is_stored_without_a_flush() -> None:
@@ -64,7 +90,13 @@ def test_a_lone_capture_is_stored_without_a_flush() -> None:
 
 
 def test_gather_settings_are_checked() -> None:
-    for bad in (dict(gather_bytes=0), dict(gather_interval_s=0.0), dict(gather_bytes=1.5)):
+    bad_settings = (
+        dict(gather_bytes=0),
+        dict(gather_interval_s=0.0),
+        dict(gather_bytes=1.5),
+        dict(gather_quiet_s=-1.0),
+    )
+    for bad in bad_settings:
         try:
             EngineConfig(**bad)
         except ValueError as e:
