@@ -155,11 +155,15 @@ class CaptureMode:
         sink = NullSink() if mode == "null" or mixed else SafetensorsSink(folder)
         writers = 1 if mode == "disk-1" else args.writers
         defer = DEFER_BELOW.get(mode, 0)
+        engine_settings = {
+            "gather_bytes": args.gather_mb * MiB if args.gather_mb else None,
+            "gather_interval_s": args.gather_s,
+            "gather_quiet_s": args.gather_quiet_s,
+        }
         config = EngineConfig(
             writers=writers,
             defer_copy_below=defer,
-            gather_bytes=args.gather_mb * MiB if args.gather_mb else None,
-            gather_interval_s=args.gather_s,
+            **{k: v for k, v in engine_settings.items() if v is not None},
         )
         self.engine = CaptureEngine(args.ring_mb * MiB, args.staging_mb * MiB, sink, config=config)
         # torch-copy: the engine stays idle (its counters read zero); the hooks copy.
@@ -169,6 +173,9 @@ class CaptureMode:
         self.small = args.small if mixed else 0
         self.times: dict[str, list[float]] = {k: [] for k in TIMES}
         self.step = 0
+        self.hook_at: list[int] = []
+        self.last_flush = 0
+        self.phases: list[tuple[float, ...]] = []
         self.hooks = [
             layer.register_forward_hook(self._hook(i))
             for i, layer in enumerate(work.layers)
@@ -197,6 +204,7 @@ class CaptureMode:
                     f"{hidden.is_contiguous()}, requires_grad {hidden.requires_grad}"
                 )
             c0, t0 = thread_ns(), time.perf_counter_ns()
+            self.hook_at.append(t0)
             self.copy(tag, hidden, step=self.step)
             self.times["large"].append((time.perf_counter_ns() - t0) / 1e3)
             self.times["large_cpu"].append((thread_ns() - c0) / 1e3)
@@ -211,6 +219,15 @@ class CaptureMode:
 
     def flush(self, step: int) -> None:
         self.step = step + 1
+        # Where the host was in the step: its first and last large capture, and this
+        # flush (after the optimizer's enqueue), from the previous flush on.
+        now = time.perf_counter_ns()
+        if self.hook_at and self.last_flush:
+            self.phases.append(
+                tuple((t - self.last_flush) / 1e6 for t in (self.hook_at[0], self.hook_at[-1], now))
+            )
+        self.hook_at.clear()
+        self.last_flush = now
 
     def close(self, totals: dict[str, list[float]]) -> None:
         seconds = time.perf_counter() - self.start
@@ -229,6 +246,7 @@ class CaptureMode:
             totals.setdefault(key, []).append(delta[key])
         totals.setdefault("dropped", []).append(sum(self.engine.dropped().values()))
         totals.setdefault("look_max_ms", []).append(look_max)
+        totals.setdefault("phases", []).extend(self.phases)
         for kind, values in self.times.items():
             totals.setdefault(f"host_{kind}", []).extend(values)
 
@@ -289,6 +307,12 @@ def run_training(args: argparse.Namespace, device, matmul, folder: Path) -> list
                 f"p99 {pct(t['host_small'], 99):.1f} (CPU median "
                 f"{statistics.median(t['host_small_cpu']):.1f})"
             )
+        if t.get("phases"):
+            first, last, flush = (statistics.median(p[i] for p in t["phases"]) for i in range(3))
+            text += (
+                f"; the host, from the previous step's flush: first large capture at "
+                f"{first:.1f} ms, last {last:.1f}, flush {flush:.1f}"
+            )
         lines.append(text)
     return lines
 
@@ -343,7 +367,10 @@ def main() -> None:
     parser.add_argument("--no-append", action="store_true")
     parser.add_argument("--gather-mb", type=int, default=None, help="EngineConfig.gather_bytes")
     parser.add_argument(
-        "--gather-s", type=float, default=0.02, help="EngineConfig.gather_interval_s"
+        "--gather-s", type=float, default=None, help="EngineConfig.gather_interval_s"
+    )
+    parser.add_argument(
+        "--gather-quiet-s", type=float, default=None, help="EngineConfig.gather_quiet_s"
     )
     parser.add_argument(
         "--held-wake",
