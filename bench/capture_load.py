@@ -49,7 +49,7 @@ from hf_models import bench_device, build_workload, model_specs, throughput, tin
 from results import append_result
 from segments import ModelState, Segment, measure, round_overheads
 
-from syncless.capture import CaptureEngine, EngineConfig, SafetensorsSink, drain
+from syncless.capture import CaptureEngine, EngineConfig, SafetensorsSink
 
 MiB = 1 << 20
 MODES = (
@@ -158,7 +158,6 @@ class CaptureMode:
         engine_settings = {
             "gather_bytes": args.gather_mb * MiB if args.gather_mb else None,
             "gather_interval_s": args.gather_s,
-            "gather_quiet_s": args.gather_quiet_s,
         }
         config = EngineConfig(
             writers=writers,
@@ -370,23 +369,12 @@ def main() -> None:
         "--gather-s", type=float, default=None, help="EngineConfig.gather_interval_s"
     )
     parser.add_argument(
-        "--gather-quiet-s", type=float, default=None, help="EngineConfig.gather_quiet_s"
-    )
-    parser.add_argument(
-        "--held-wake",
-        type=int,
-        default=None,
-        help="deferred captures that wake the drain (syncless.capture.drain.HELD_WAKE)",
-    )
-    parser.add_argument(
         "--switch-interval",
         type=float,
         default=None,
         help="sys.setswitchinterval for the run (seconds; CPython's default is 0.005)",
     )
     args = parser.parse_args()
-    if args.held_wake is not None:
-        drain.HELD_WAKE = args.held_wake
     if args.switch_interval is not None:
         # How long a thread that wants the GIL waits before it forces a switch: if the
         # engine's cost moves with it, the training thread waits on the GIL.

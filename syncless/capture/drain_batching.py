@@ -1,9 +1,8 @@
 """Batching: without windows, the drain gathers captures into transfers of about a shard.
 
 Without a pattern, while suspended and after the controller's fallback, the drain
-copies the oldest ready records that fit. On a thread it takes them only once the
-captures pause, or once many have piled up, so its Python runs once per transfer, not
-once per capture, and mostly while the training thread has no use for the GIL. With no
+copies the oldest ready records that fit. On a thread it takes them only once enough
+have piled up, so its Python runs once per transfer, not once per capture. With no
 record waiting it parks, and the next capture wakes it
 (:meth:`~syncless.capture.drain.DrainWorker.captured`).
 """
@@ -23,13 +22,6 @@ __all__ = ["DrainBatching"]
 # wakes it): a bound on a lost wake-up, not a poll.
 _PARK_S = 0.1
 
-# Deferred copies (syncless.capture.ring_copy) wait for the drain's next look, holding
-# their tensors, and a change to one before then drops it: the drain looks once this
-# many are waiting (or ``gather_s`` after the oldest, as for any record) and enqueues
-# them all, whatever gathering says. A look per deferred capture would take the GIL
-# from the training thread per capture, which is what deferring saves it.
-HELD_WAKE = 64
-
 
 class DrainBatching:
     """The batching state of one :class:`~syncless.capture.drain.DrainWorker`, and the
@@ -38,7 +30,7 @@ class DrainBatching:
     The worker owns it and calls it from its loop, on the drain's thread, with
     ``background`` true when that is a thread of its own; it issues copies through the
     worker's transfers. The capturing thread's :meth:`DrainWorker.captured` counts
-    :attr:`captures` and :attr:`held` and reads :attr:`parked`.
+    :attr:`held` and reads :attr:`parked`.
     """
 
     def __init__(
@@ -47,17 +39,16 @@ class DrainBatching:
         queue: RecordQueue,
         staging: StagingCopier,
         transfers: DrainTransfers,
-        sleep: Callable[[float], bool],
+        sleep: Callable[[float], None],
         poll_interval_s: float,
         gather_bytes: int,
         gather_s: float,
-        quiet_s: float,
         batch_bytes: int,
     ) -> None:
         self._queue = queue
         self._staging = staging
         self._transfers = transfers
-        self._sleep = sleep  # until woken (True) or the timeout
+        self._sleep = sleep  # until woken or the timeout
         self._poll = poll_interval_s
         # Batching gathers captures into one transfer (see _gathered_enough).
         self.gather_bytes = gather_bytes
@@ -68,10 +59,6 @@ class DrainBatching:
         # 37 before the drain gathered (bench/capture_drain.py, a25e395 and 01755cc).
         self._batch_bytes = batch_bytes
         self._gather_s = gather_s
-        self._quiet_s = quiet_s
-        self.captures = 0  # captures ever (DrainWorker.captured): a pause leaves it still
-        self._seen_captures = -1  # ... at the look that started the current quiet spell
-        self._quiet_since = 0.0  # monotonic time of that look
         self._gather_until: float | None = None  # monotonic end of the current gather
         self.parked = False  # no record waits: the next capture wakes the drain
         self.held = 0  # deferred copies captured since the drain last enqueued them
@@ -107,24 +94,11 @@ class DrainBatching:
             return
         self.parked = False
         if background and not self._gathered_enough():
-            self._wait_for_pause()
+            assert self._gather_until is not None
+            self._sleep(max(0.0, self._gather_until - time.monotonic()))
             return
         if not self._wait_batch():
             self._sleep(self._gather_s if background else self._poll)
-
-    def _wait_for_pause(self) -> None:
-        """Sleep until the captures pause, the gather times out, or something wakes the
-        drain (a request, staging space, ``gather_bytes`` piled up). While captures
-        come, each wake costs a few attribute reads, not a look at the ring: the
-        training thread is busy enqueuing then, and every look takes the GIL from it."""
-        assert self._gather_until is not None
-        while True:
-            now = time.monotonic()
-            if self.captures != self._seen_captures:
-                self._seen_captures, self._quiet_since = self.captures, now
-            until = min(self._gather_until, self._quiet_since + self._quiet_s)
-            if now >= until or self._sleep(until - now):
-                return
 
     def limit(self) -> int:
         """Staging bytes the next batching transfer may take: about a shard, or the
@@ -134,22 +108,13 @@ class DrainBatching:
         return min(self._staging.largest(), max(self._batch_bytes, oldest))
 
     def _gathered_enough(self) -> bool:
-        """Batching on a thread takes records only once the captures have paused for
-        ``quiet_s``, ``gather_bytes`` of them wait, or the oldest has waited
-        ``gather_s``: captures pile up and go in one transfer, so the drain's Python
-        (which holds the GIL) runs per transfer. A look per capture cost the training
-        thread 182 us per 4 KiB ``capture()`` on the H200 (bench/capture_drain.py,
-        01755cc).
-
-        The pause decides on a GPU-bound step: captures come while the training thread
-        enqueues the forward, which is when the GPU waits on it (the step starts after
-        a sync), and stop while it waits itself (backward runs in autograd's threads,
-        the loss read-back blocks). Taking records at the pause moved the drain's
-        Python out of the forward: with every layer of Llama-1B captured (1 GiB per
-        step and 256 small captures, deferred), the step cost +0.29% instead of
-        +1.51%, against +0.26% for the same copies made with torch and no engine
-        (bench/capture_load.py, 23eaac5).
-        """
+        """Batching on a thread takes records only once ``gather_bytes`` of them wait
+        or the oldest has waited ``gather_s``: captures pile up and go in one
+        transfer, so the drain's Python (which holds the GIL) runs per transfer. A
+        look per capture cost the training thread 182 us per 4 KiB ``capture()`` on
+        the H200 (bench/capture_drain.py, 01755cc); looks every 204 MiB or 20 ms, and
+        every 64 deferred captures, still cost a GPU-bound step about 1% (see
+        EngineConfig.gather_bytes)."""
         transfers = self._transfers
         if len(self._queue) <= transfers.inflight_records:
             self._gather_until = None  # nothing waits
@@ -158,13 +123,12 @@ class DrainBatching:
         # alone, the drain once took an empty capture for nothing and died on it).
         # The ring's live bytes less those in flight: no walk over the waiting records,
         # which made a look O(records waiting) and a run of small captures quadratic.
-        if self._queue.ring.live_bytes - transfers.inflight_span >= self.gather_bytes:
+        queue = self._queue
+        if queue.ring.live_bytes - transfers.inflight_span >= self.gather_bytes:
             return True
+        if len(queue) - transfers.inflight_records >= queue.max_records // 2:
+            return True  # half the record slots: small captures would run out of them
         now = time.monotonic()
-        if self.captures != self._seen_captures:  # captures came since: not quiet yet
-            self._seen_captures, self._quiet_since = self.captures, now
-        elif now >= self._quiet_since + self._quiet_s:
-            return True
         if self._gather_until is None:
             self._gather_until = now + self._gather_s
         return now >= self._gather_until

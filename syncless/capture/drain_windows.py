@@ -66,7 +66,7 @@ class DrainWindows:
         reporter: WindowReporter,
         stats: CaptureStats,
         wake: threading.Event,
-        sleep: Callable[[float], bool],
+        sleep: Callable[[float], None],
         planned: bool,
     ) -> None:
         self._transfers = transfers
@@ -78,7 +78,7 @@ class DrainWindows:
         self._reporter = reporter
         self._stats = stats
         self._wake = wake
-        self._sleep = sleep  # until woken (True) or the timeout
+        self._sleep = sleep  # until woken or the timeout
         self._seen = (0, 0)  # latest boundary word: (version, count)
         # The next boundary, or a window's CLOSE, last slept on.
         self._waited: tuple[int, int] | tuple[str, int, int] | None = None

@@ -166,6 +166,11 @@ class RecordQueue:
 
     # -- the drain worker -------------------------------------------------------------
 
+    @property
+    def max_records(self) -> int:
+        """Record slots: records in flight at most."""
+        return len(self._slots)
+
     def __len__(self) -> int:
         """Records in flight (reserved, not yet released)."""
         return self._count
