@@ -69,6 +69,32 @@ def test_half_the_record_slots_wake_the_drain_before_its_gather_ends() -> None:
     assert [r.step for r in sink.records] == list(range(n))
 
 
+def test_a_step_of_small_deferred_captures_costs_the_drain_a_few_looks() -> None:
+    """What a GPU-bound step pays for is the drain's looks while the training thread
+    enqueues (docs/capture.md, "The drain gathers"): 256 small deferred captures, the
+    GIL let go after each, far below every default threshold, must not make it look
+    more than once or twice before its gather ends."""
+    sink = MemorySink()
+    config = EngineConfig(defer_copy_below=1 << 20, gather_interval_s=30.0)
+    engine = CaptureEngine(16 * MiB, 4 * MiB, sink, device="cpu", config=config)
+    rows = [torch.full((1024,), float(i)) for i in range(256)]
+    try:
+        time.sleep(0.05)  # the drain parks
+        before = engine.counters()["drain_loops_count"]
+        with no_sync():
+            for i, row in enumerate(rows):
+                engine.capture("row", row, step=i)
+                time.sleep(0.0005)  # the GIL is free: a drain woken now would look
+        looks = engine.counters()["drain_loops_count"] - before
+        engine.flush()
+    finally:
+        engine.close()
+    # The first capture wakes the parked drain: one look, then it sleeps out the gather
+    # (one more for a wake racing its sleep). A wake every 64 deferred captures made 4.
+    assert looks <= 2, looks
+    assert [float(r.data.view(torch.float32)[0]) for r in sink.records] == list(range(256))
+
+
 def test_a_lone_capture_is_stored_without_a_flush() -> None:
     """The parked drain must wake for the first record, then gather for at most
     ``gather_interval_s``: a lost wake-up would leave it in the ring for good."""
