@@ -195,15 +195,17 @@ def test_the_first_drop_quotes_the_rate_the_sink_keeps_now_not_its_average(capsy
     import re
 
     record = torch.zeros(MiB // 4)  # 1 MiB: one record per shard
-    sink = SlowingSink(fast=24, delay_s=0.02)
+    # The average over 48 fast shards and the ~24 slow ones before the first drop (the
+    # ring and staging, 12 MiB, fill at 1 MiB per slow shard) is about 3x the slow rate.
+    sink = SlowingSink(fast=48, delay_s=0.02)
     config = EngineConfig(shard_bytes=MiB, writers=1)
     engine = CaptureEngine(8 * MiB, 4 * MiB, sink, device="cpu", config=config)
     try:
         with no_sync():
-            for i in range(24):  # the fast shards, each stored before the next capture
+            for i in range(48):  # the fast shards, each stored before the next capture
                 assert engine.capture("x", record, step=i)
                 assert wait_until(lambda i=i: sink.written == i + 1)
-            step = 24
+            step = 48
             while engine.shortfall is None and step < 500:
                 # Twice what the slow sink takes: the ring and staging (12 MiB) fill in
                 # about a quarter second, a dozen slow shards.
