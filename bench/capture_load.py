@@ -34,6 +34,7 @@ Issue 23. Three measurements in one process:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import shutil
@@ -290,6 +291,8 @@ class GcClock:
 def run_training(args: argparse.Namespace, device, matmul, folder: Path) -> list[str]:
     spec = model_specs()[args.model]
     spec = tiny(spec) if args.tiny else spec
+    if args.layers:
+        spec = dataclasses.replace(spec, layers=args.layers)
     work = build_workload(spec, device)
     state = ModelState(work=work, budget=0.01)
     totals: dict[str, dict[str, list[float]]] = {m: {} for m in args.modes}
@@ -406,6 +409,7 @@ def main() -> None:
     parser.add_argument("--skip-disk", action="store_true")
     parser.add_argument("--budget-s", type=float, default=300.0)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (the model's own)")
     parser.add_argument("--no-append", action="store_true")
     parser.add_argument("--gather-mb", type=int, default=None, help="EngineConfig.gather_bytes")
     parser.add_argument(
