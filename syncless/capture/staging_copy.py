@@ -65,9 +65,9 @@ class StagingCopier:
         self._staging = staging
         # On the CPU, copies are a memmove (ctypes lets go of the GIL around it): a torch
         # copy_ from this thread ran an OpenMP team of its own, whose spinning threads
-        # took the cores of the training thread's team. On the 2-core CI host a
-        # 16-layer model's step went from 48 to 108 ms with every layer captured, and
-        # to 60 ms with OMP_NUM_THREADS=1 (the engine's own work, 5.5 ms a step).
+        # took the cores of the training thread's team: every layer of a 16-layer model
+        # captured cost its step +166% on the 2-core CI host, +23% with the memmove
+        # (bench/capture_load.py --tiny --layers 16, aae33ea).
         self._host_copy = ring.device.type == "cpu"
         self._staging_ring = ByteRing(staging.numel(), align)
         self._staging_lock = threading.Lock()
