@@ -297,10 +297,19 @@ class MemorySink:
 
     def write(self, records: Sequence[CapturedRecord]) -> None:
         self.writes += 1
-        self.records.extend(r._replace(data=r.data.clone()) for r in records)
+        self.records.extend(r._replace(data=_owned_copy(r.data)) for r in records)
 
     def close(self) -> None:
         self.closed = True
 
     def tensors(self, tag: str | None = None) -> list[torch.Tensor]:
         return [r.tensor() for r in self.records if tag is None or r.tag == tag]
+
+
+def _owned_copy(data: torch.Tensor) -> torch.Tensor:
+    """``data``'s bytes in memory of their own, copied without a torch op: on a writer
+    thread a CPU op starts an OpenMP team that competes with training's (docs/capture.md:
+    "On the CPU the engine's threads must not run torch ops")."""
+    if data.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(memoryview(data.numpy())), dtype=torch.uint8)
