@@ -130,26 +130,28 @@ def test_capture_windows_bracket_every_token_all_to_all(tmp_path):
     demo's dispatcher: per MoE layer and step, the counts exchange with its dispatch
     (one region) and the combine in the forward, and the two token backward all-to-alls,
     so 3 steps x 2 layers x 4 x 2 = 48 per rank. Step 0 counts them and runs without windows, so its captures go out by
-    ordinary batching; from step 1 every capture goes out inside a window (CPU: the copy
-    is synchronous, windows always fit)."""
+    ordinary batching, or by the flush before the pattern is defined, whichever takes
+    them first; from step 1 every capture goes out inside a window (CPU: the copy is
+    synchronous, windows always fit)."""
     spawn_gloo(_windows_worker, 2, str(tmp_path / "run"))
     with open_run(tmp_path / "run") as store:
         _, rows = store.query(
             "SELECT rank, name, sum(value) FROM metrics WHERE name IN ("
             "'capture/step/boundary_count', 'capture/step/captured_count', "
             "'capture/step/captured_bytes', 'capture/step/d2h_window_bytes', "
-            "'capture/step/d2h_batch_bytes') "
+            "'capture/step/d2h_batch_bytes', 'capture/step/d2h_flush_bytes') "
             "GROUP BY 1, 2 ORDER BY 1, 2"
         )
     record = 2 * 32 * 64 * 4  # batch x seq x d_model x fp32
     for rank in (0, 1):
         got = {name.rsplit("/", 1)[1]: value for r, name, value in rows if r == rank}
+        got["d2h_batch_bytes"] += got.pop("d2h_flush_bytes")
         assert got == {
             "boundary_count": 48,
             "captured_count": 6,
             "captured_bytes": 6 * record,
             "d2h_window_bytes": 4 * record,  # steps 1 and 2, 2 layers
-            "d2h_batch_bytes": 2 * record,  # step 0
+            "d2h_batch_bytes": 2 * record,  # step 0, batched or flushed
         }
     store = open_captures(tmp_path / "run")
     assert sorted(store.index.column("rank").to_pylist()) == [0] * 6 + [1] * 6
