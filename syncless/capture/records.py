@@ -28,6 +28,9 @@ __all__ = ["READY", "RESERVED", "VOID", "WRITTEN", "Record", "RecordQueue"]
 # Record.landed) -> READY (the drain saw the copy complete) -> free. VOID: the copy
 # raised, or a deferred copy's tensor changed first; the bytes are garbage and the
 # record was counted as dropped, but its ring space is released in order.
+# Distinct shapes kept for records (RecordQueue.try_reserve).
+_SHAPES = 1024
+
 RESERVED = 1
 WRITTEN = 2
 READY = 3
@@ -119,6 +122,7 @@ class RecordQueue:
         self._head = 0
         self._count = 0
         self._next_seq = 0
+        self._shapes: dict[torch.Size, torch.Size] = {}
         self.closed = False
         self.failed = False  # the drain worker died: nothing will be released again
 
@@ -155,7 +159,16 @@ class RecordQueue:
             self._next_seq += 1
             rec.tag = tag
             rec.step = step
-            rec.shape = tensor.shape  # a torch.Size: a tuple, made once here
+            # One torch.Size per distinct shape, not per capture: each record's own kept
+            # a tracked object alive until its shard was written (the collector's
+            # count; docs/capture.md, "Garbage collection").
+            shape = tensor.shape
+            known = self._shapes.get(shape)
+            if known is None:
+                if len(self._shapes) >= _SHAPES:
+                    self._shapes.clear()  # dynamic shapes: forget, do not grow
+                self._shapes[shape] = known = shape
+            rec.shape = known
             rec.dtype = tensor.dtype
             rec.nbytes = nbytes
             rec.span = span

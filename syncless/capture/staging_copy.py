@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,44 @@ from syncless.capture.ring import ByteRing
 from syncless.capture.sink import CapturedRecord
 from syncless.hot_path import hot_path
 
-__all__ = ["StagingCopier", "Transfer"]
+__all__ = ["StagedRecords", "StagingCopier", "Transfer"]
+
+
+class StagedRecords:
+    """A transfer's records for the sink, kept as columns until the writer iterates.
+
+    Iterating yields one :class:`~syncless.capture.sink.CapturedRecord` per record, with
+    its view of the host memory, right before the sink's ``write``: made by the drain
+    at the transfer, those objects lived until their shard was written, and Python's
+    collector, which counts the tracked objects alive, ran 20x as often with every layer
+    of Llama-1B captured (docs/capture.md, "Garbage collection").
+    """
+
+    __slots__ = ("_columns", "_host", "_rank")
+
+    def __init__(self, host: torch.Tensor, rank: int, records: list[Record], at: list[int]):
+        self._host = host
+        self._rank = rank
+        self._columns = (
+            [r.seq for r in records],
+            [r.tag for r in records],
+            [r.step for r in records],
+            [r.shape for r in records],
+            [r.dtype for r in records],
+            [r.nbytes for r in records],
+            [r.meta for r in records],
+            at,
+        )
+
+    def __len__(self) -> int:
+        return len(self._columns[0])
+
+    def __iter__(self) -> Iterator[CapturedRecord]:
+        host, rank = self._host, self._rank
+        for seq, tag, step, shape, dtype, nbytes, meta, pos in zip(*self._columns, strict=True):
+            yield CapturedRecord(
+                seq, tag, step, rank, shape, dtype, nbytes, meta, host[pos : pos + nbytes]
+            )
 
 
 @dataclass(eq=False)
@@ -35,7 +73,7 @@ class Transfer:
     grant."""
 
     kind: str  # window | batch | flush | oversized: the d2h_<kind>_bytes counter it feeds
-    records: list[CapturedRecord]
+    records: StagedRecords
     count: int  # ring records it releases (void ones included)
     moved: int  # bytes copied (their spans)
     data_bytes: int  # record bytes
@@ -129,20 +167,7 @@ class StagingCopier:
                             self._ring[dev : dev + length], non_blocking=True
                         )
             end = self._timeline.stamp(self.stream)
-        out = [
-            CapturedRecord(
-                r.seq,
-                r.tag,
-                r.step,
-                self._rank,
-                r.shape,
-                r.dtype,
-                r.nbytes,
-                r.meta,
-                self._staging[p : p + r.nbytes],
-            )
-            for r, p in zip(live, positions, strict=True)
-        ]
+        out = StagedRecords(self._staging, self._rank, live, positions)
         return Transfer(
             kind, out, len(records), moved, sum(r.nbytes for r in live), moved > 0, start, end
         )
@@ -163,10 +188,8 @@ class StagingCopier:
                 host.copy_(self._ring[rec.offset : rec.offset + rec.nbytes], non_blocking=True)
             end = self._timeline.stamp(self.stream)
         self._timeline.wait(end)
-        record = CapturedRecord(
-            rec.seq, rec.tag, rec.step, self._rank, rec.shape, rec.dtype, rec.nbytes, rec.meta, host
-        )
-        return Transfer("oversized", [record], 1, rec.span, rec.nbytes, False, start, end)
+        record = StagedRecords(host, self._rank, [rec], [0])
+        return Transfer("oversized", record, 1, rec.span, rec.nbytes, False, start, end)
 
 
 def _runs(records: list[Record], base: int) -> tuple[list[tuple[int, int, int]], list[int]]:

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from syncless.capture.sink import CapturedRecord, CaptureSink
@@ -41,7 +41,7 @@ _STOP = object()
 class Batch:
     """Records whose bytes are on the host; ``staged`` if they hold staging space."""
 
-    records: list[CapturedRecord]
+    records: Iterable[CapturedRecord]  # a list, or StagedRecords made on iteration
     nbytes: int  # bytes of record data (what the sink stores)
     staged: bool
 
