@@ -14,39 +14,19 @@ collection walks every object the process tracks (``bench/gc_pause.py``).
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import gc
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from capture_load import CaptureMode  # bench/ is on sys.path as a script
+from gc_clock import GcClock
 from hf_models import build_workload, model_specs, tiny, train_step
 from results import append_result
 
 
-class Collections:
-    """Per generation: collections and their milliseconds."""
-
-    def __init__(self) -> None:
-        self.count: collections.Counter[int] = collections.Counter()
-        self.ms: collections.Counter[int] = collections.Counter()
-        self._start = 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-            return
-        self.count[info["generation"]] += 1
-        self.ms[info["generation"]] += (time.perf_counter() - self._start) * 1e3
-
-    def text(self) -> str:
-        return ", ".join(f"gen {g} {self.count[g]} ({self.ms[g]:.0f} ms)" for g in (0, 1, 2))
-
-
-def run_mode(work, mode: str, args: argparse.Namespace, folder: Path) -> str:
+def run_mode(work, mode: str, args: argparse.Namespace, folder: Path, clock: GcClock) -> str:
     cap = None if mode == "off" else CaptureMode(work, mode, args, folder)
 
     def step(i: int) -> None:
@@ -56,17 +36,15 @@ def run_mode(work, mode: str, args: argparse.Namespace, folder: Path) -> str:
         for i in range(args.warmup):
             step(i)
         gc.collect()  # the engine's slots and the warm-up: long-lived from here
-        clock = Collections()
-        gc.callbacks.append(clock)
-        try:
+        clock.key = mode
+        with clock.installed():
             for i in range(args.warmup, args.warmup + args.steps):
                 step(i)
-        finally:
-            gc.callbacks.remove(clock)
+        clock.key = None
     finally:
         if cap is not None:
             cap.close({})
-    return f"{mode}: {clock.text()}"
+    return f"{mode}: {clock.generations(mode)}"
 
 
 def main() -> None:
@@ -85,7 +63,8 @@ def main() -> None:
     spec = dataclasses.replace(tiny(spec), layers=spec.layers)
     work = build_workload(spec, torch.device("cpu"))
     with tempfile.TemporaryDirectory(prefix="capture-gc-") as tmp:
-        parts = [run_mode(work, m, args, Path(tmp)) for m in args.modes.split(",")]
+        clock = GcClock()
+        parts = [run_mode(work, m, args, Path(tmp), clock) for m in args.modes.split(",")]
     line = (
         f"{spec.name} ({spec.layers} layers, shrunk) on the CPU, one engine, "
         f"{args.steps} steps after a gc.collect(), collections per generation: " + "; ".join(parts)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import os
 import shutil
 import statistics
@@ -47,6 +46,7 @@ from pathlib import Path
 
 import torch
 from capture_drain import NullSink, d2h_gbps  # bench/ is on sys.path as a script
+from gc_clock import GcClock
 from hf_models import bench_device, build_workload, model_specs, throughput, tiny
 from results import append_result
 from segments import ModelState, Segment, measure, round_overheads
@@ -256,38 +256,6 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
 
 
-class GcClock:
-    """Python's garbage collections per mode: the engine allocates objects per record
-    (its batches, the records' views), and a collection runs on whichever thread
-    allocates when a threshold trips, the training thread's forward included."""
-
-    def __init__(self) -> None:
-        self.mode: str | None = None
-        self._start = 0.0
-        self.totals: dict[str, list[float]] = {}  # mode: [count, ms, gen-2 count, gen-2 ms]
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-            return
-        if self.mode is None:
-            return
-        ms = (time.perf_counter() - self._start) * 1e3
-        t = self.totals.setdefault(self.mode, [0, 0.0, 0, 0.0])
-        t[0] += 1
-        t[1] += ms
-        if info.get("generation") == 2:
-            t[2] += 1
-            t[3] += ms
-
-    def text(self, mode: str, steps: int) -> str:
-        count, ms, full, full_ms = self.totals.get(mode, [0, 0.0, 0, 0.0])
-        return (
-            f"{count / steps:.1f} collections a step ({full} of generation 2 in "
-            f"{steps} steps, {full_ms:.0f} ms), {ms / steps:.2f} ms a step"
-        )
-
-
 def run_training(args: argparse.Namespace, device, matmul, folder: Path) -> list[str]:
     spec = model_specs()[args.model]
     spec = tiny(spec) if args.tiny else spec
@@ -300,14 +268,13 @@ def run_training(args: argparse.Namespace, device, matmul, folder: Path) -> list
     gc_clock = GcClock()
 
     def open_segment(mode: str, _state) -> Segment:
-        gc_clock.mode = mode
+        gc_clock.key = mode
         if mode == "off":
             return Segment()
         cap = CaptureMode(work, mode, args, folder)
         return Segment(flush=cap.flush, close=lambda: cap.close(totals[mode]))
 
-    gc.callbacks.append(gc_clock)
-    try:
+    with gc_clock.installed():
         rounds, failed = measure(
             state,
             list(args.modes),
@@ -316,13 +283,11 @@ def run_training(args: argparse.Namespace, device, matmul, folder: Path) -> list
             args.rounds,
             time.perf_counter() + args.budget_s,
         )
-    finally:
-        gc.callbacks.remove(gc_clock)
     steps = {m: len(rounds) * (args.warmup + args.seg) for m in args.modes}
     off = [t for r in rounds for t in r.get("off", [])]
     head = f"{spec.name} ({spec.layers} layers, B {spec.batch} x L {spec.seq_len}), "
     head += throughput(work, statistics.median(off), matmul)
-    head += f" (Python GC: {gc_clock.text('off', steps['off'])})"
+    head += f" (Python GC: {gc_clock.per_step('off', steps['off'])})"
     lines = []
     for mode in args.modes:
         if mode == "off":
@@ -351,7 +316,7 @@ def run_training(args: argparse.Namespace, device, matmul, folder: Path) -> list
                 f"p99 {pct(t['host_small'], 99):.1f} (CPU median "
                 f"{statistics.median(t['host_small_cpu']):.1f})"
             )
-        text += f"; Python GC {gc_clock.text(mode, steps[mode])}"
+        text += f"; Python GC {gc_clock.per_step(mode, steps[mode])}"
         if t.get("phases"):
             first, last, flush = (statistics.median(p[i] for p in t["phases"]) for i in range(3))
             text += (
