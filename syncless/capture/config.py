@@ -72,7 +72,7 @@ class EngineConfig:
             matter on a GPU-bound step: with every layer of Llama-1B captured (1 GiB
             and 256 small deferred captures a step, 4 GiB ring), a look every 204 MiB
             or 20 ms and every 64 deferred captures cost the step +0.91% to +1.51%
-            (seven runs), these defaults +0.29%, +0.00% and +0.66% (three), against
+            (seven runs), these defaults +0.29%, +0.00%, +0.66% and +0.26% (four), against
             +0.04% to +0.27% for the same copies made with torch and no engine
             (docs/capture.md, "The drain gathers").
         writers: shards the sink writes at once, each on a thread of its own (a sink
