@@ -28,7 +28,7 @@ step time no worse than batching.
 
     python bench/capture_windows.py --nproc 2                 # demo large on 2 GPUs
     python bench/capture_windows.py --nproc 2 --attribute     # + boundaries without captures
-    python bench/capture_windows.py --nproc 2 --preset tiny --layers 0,1 --steps 6 --no-record
+    python bench/capture_windows.py --nproc 2 --preset tiny --layers 0,1 --steps 6 --warmup 2 --no-record
 """
 
 from __future__ import annotations
@@ -289,6 +289,10 @@ def report(args: argparse.Namespace, per_rank: list[dict]) -> None:
     base, win = (max(r[m][0] for r in per_rank) for m in MODES)
     cut = (1 - win / base) * 100 if base > 0 else float("nan")
     step_base, step_win = (max(r[m][4]["step"] for r in per_rank) for m in MODES)
+    if not step_base > 0:
+        raise SystemExit(
+            f"no step measured: --steps {args.steps} leaves none after --warmup {args.warmup}"
+        )
     sync = ", blocking sync" if args.blocking_sync else ""
     line = (f"demo {args.preset} EP 2{sync}, {args.point} of layers {args.layers} every step, {args.rounds} "
             f"alternating rounds of {args.steps} steps, medians over steps >= {args.warmup}, "
