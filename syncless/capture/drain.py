@@ -16,8 +16,9 @@ One loop, on a thread of its own (or stepped by the caller, ``background=False``
    one (ordinary batching): copy the largest ready prefix that fits in staging.
 
 The worker runs the loop and its lifecycle; the requests are served by
-:mod:`syncless.capture.drain_requests`. The objects it owns hold the rest: the transfers in flight (:mod:`syncless.capture.drain_transfers`) and their
-copies into the pinned staging ring (:mod:`syncless.capture.staging_copy`), the windows
+:mod:`syncless.capture.drain_requests`. The objects it owns hold the rest: the
+transfers in flight (:mod:`syncless.capture.drain_transfers`) and their copies into
+the pinned staging ring (:mod:`syncless.capture.staging_copy`), the windows
 (:mod:`syncless.capture.drain_windows`) and their reports
 (:mod:`syncless.capture.window_reports`), and batching without windows
 (:mod:`syncless.capture.drain_batching`).
@@ -75,7 +76,6 @@ class DrainWorker(DrainRequests):
         copy_held: Callable[[list[Record]], list[DropReason | None]] | None = None,
     ) -> None:
         self._queue = queue
-        self._slots_wake = queue.max_records // 2  # records in flight that wake it
         self._device = ring.device
         self._timeline = boundary.timeline
         self._ctl = controller
@@ -251,7 +251,7 @@ class DrainWorker(DrainRequests):
             # The ring's bytes, as the drain judges them (not a count since its last
             # look, which would need gather_bytes more on top of what it left behind).
             or queue.ring.live_bytes >= batching.gather_bytes
-            or len(queue) >= self._slots_wake
+            or len(queue) >= batching.slots_wake
         ):
             wake.set()
 

@@ -30,7 +30,7 @@ class DrainBatching:
     The worker owns it and calls it from its loop, on the drain's thread, with
     ``background`` true when that is a thread of its own; it issues copies through the
     worker's transfers. The capturing thread's :meth:`DrainWorker.captured` counts
-    :attr:`held` and reads :attr:`parked`.
+    :attr:`held` and reads :attr:`parked`, :attr:`gather_bytes` and :attr:`slots_wake`.
     """
 
     def __init__(
@@ -59,6 +59,9 @@ class DrainBatching:
         # 37 before the drain gathered (bench/capture_drain.py, a25e395 and 01755cc).
         self._batch_bytes = batch_bytes
         self._gather_s = gather_s
+        # Records in flight that end a gather (and wake the drain): half the slots, so
+        # small captures far below gather_bytes do not run out of them first.
+        self.slots_wake = queue.max_records // 2
         self._gather_until: float | None = None  # monotonic end of the current gather
         self.parked = False  # no record waits: the next capture wakes the drain
         self.held = 0  # deferred copies captured since the drain last enqueued them
@@ -126,8 +129,8 @@ class DrainBatching:
         queue = self._queue
         if queue.ring.live_bytes - transfers.inflight_span >= self.gather_bytes:
             return True
-        if len(queue) - transfers.inflight_records >= queue.max_records // 2:
-            return True  # half the record slots: small captures would run out of them
+        if len(queue) - transfers.inflight_records >= self.slots_wake:
+            return True
         now = time.monotonic()
         if self._gather_until is None:
             self._gather_until = now + self._gather_s

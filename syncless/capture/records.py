@@ -23,14 +23,14 @@ from syncless.hot_path import hot_path
 
 __all__ = ["READY", "RESERVED", "VOID", "WRITTEN", "Record", "RecordQueue"]
 
+# Distinct shapes the queue keeps one torch.Size of (RecordQueue.try_reserve).
+_SHAPES = 1024
+
 # Slot states. RESERVED -> WRITTEN (copy enqueued, or left to the drain: Record.source;
 # on CUDA an event marks when it lands, recorded by the capture or later by the drain:
 # Record.landed) -> READY (the drain saw the copy complete) -> free. VOID: the copy
 # raised, or a deferred copy's tensor changed first; the bytes are garbage and the
 # record was counted as dropped, but its ring space is released in order.
-# Distinct shapes kept for records (RecordQueue.try_reserve).
-_SHAPES = 1024
-
 RESERVED = 1
 WRITTEN = 2
 READY = 3
