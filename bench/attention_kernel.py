@@ -79,7 +79,28 @@ SWEEP = [
     attention.QKConfig(64, 64, 4, 3, warp_specialize=True),
     attention.QKConfig(128, 64, 4, 2, warp_specialize=True),
     attention.QKConfig(128, 64, 8, 2, warp_specialize=True),
+    # A register cap: head_dim 256 with q rotated in the kernel took 255 registers, so
+    # two programs per multiprocessor; at 168 three fit where shared memory lets them.
+    attention.QKConfig(64, 64, 4, 2, maxnreg=168),
+    attention.QKConfig(64, 64, 4, 1, maxnreg=168),
+    attention.QKConfig(64, 32, 4, 2, maxnreg=168),
+    attention.QKConfig(64, 32, 4, 3, maxnreg=168),
+    # q rotated by its own launch first (its time is in the kernel's).
+    attention.QKConfig(64, 64, 4, 2, rotate_q=True),
+    attention.QKConfig(64, 64, 4, 1, rotate_q=True),
+    attention.QKConfig(64, 32, 4, 2, rotate_q=True),
+    attention.QKConfig(64, 32, 4, 3, rotate_q=True),
+    attention.QKConfig(128, 64, 8, 2, rotate_q=True),
 ]
+
+
+def tiles(cfg: attention.QKConfig) -> str:
+    """A config in a few characters: 64x64/4w/2s, then /ws, /r168 (register cap), /rq."""
+    return (
+        f"{cfg.block_m}x{cfg.block_n}/{cfg.num_warps}w/{cfg.num_stages}s"
+        f"{'/ws' if cfg.warp_specialize else ''}"
+        f"{f'/r{cfg.maxnreg}' if cfg.maxnreg else ''}{'/rq' if cfg.rotate_q else ''}"
+    )
 
 
 @triton.jit
@@ -264,9 +285,9 @@ def sweep(rates, names: list[str]) -> dict[int, attention.QKConfig]:
             except Exception as e:  # out of shared memory or registers for this tile
                 print(f"  {shape[0]} {cfg}: {type(e).__name__}")
                 continue
-            print(f"  {shape[0]} (d {d}) {cfg}: {times[cfg]:.3f} ms")
+            print(f"  {shape[0]} (d {d}) {tiles(cfg)}: {times[cfg]:.3f} ms")
         best = min(times.values())
-        print(f"  {shape[0]}: best {min(times, key=times.get)} {best:.3f} ms")
+        print(f"  {shape[0]}: best {tiles(min(times, key=times.get))} {best:.3f} ms")
         for cfg, ms in times.items():
             ratios.setdefault(d, {}).setdefault(cfg, []).append(ms / best)
     return {
@@ -325,8 +346,7 @@ def main() -> None:
     per_shape = "; ".join(
         f"{r['shape']} (B{r['B']} H{r['H']}/{r['Hkv']} L{r['L']} D{r['D']}"
         f"{' window ' + str(r['window']) if r['window'] else ''}, tiles "
-        f"{r['config']['block_m']}x{r['config']['block_n']}/{r['config']['num_warps']}w/"
-        f"{r['config']['num_stages']}s{'/ws' if r['config'].get('warp_specialize') else ''}) stats {r['stats_ms']:.3f} + rope_k {r['rope_k_ms']:.3f} "
+        f"{tiles(attention.QKConfig(**r['config']))}) stats {r['stats_ms']:.3f} + rope_k {r['rope_k_ms']:.3f} "
         f"ms vs floor {r['floor_ms']:.3f} = {r['x_floor']:.2f}x{missed(r)} (flash fwd "
         f"{r['flash_fwd_ms']:.3f} ms), max rel err {r['max_rel_err']:.0e}"
         for r in rows

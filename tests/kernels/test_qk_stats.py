@@ -72,6 +72,23 @@ def test_partials_match_the_reference(q_len, k_len, causal, window, phase, strid
     np.testing.assert_allclose(entropy.cpu(), ref_entropy.cpu(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [17, 40, 80])
+def test_head_dims_that_do_not_fill_a_power_of_two(head_dim):
+    """The kernel splits head_dim in two halves, the upper one from ceil(D / 2), each
+    padded to a power of two: an odd D (17: halves of 9 and 8) and halves padded by
+    masks (40 -> 20 of 32, 80 -> 40 of 64) must add up to the whole dot."""
+    batch, heads, kv_heads, length = 1, 2, 1, 150
+    g = torch.Generator().manual_seed(head_dim)
+    q = (torch.randn(batch, heads, length, head_dim, generator=g) * 3).to(DEVICE)
+    k = torch.randn(batch, kv_heads, length, head_dim, generator=g).to(DEVICE)
+    scale = head_dim**-0.5
+    partials = kernels.qk_stats_partials(q, k, scale, True, None)
+    maxes, entropy, _ = _folded(partials, batch, heads)
+    ref_maxes, ref_entropy = _reference(q, k, scale, True, None, 0, 1)
+    np.testing.assert_allclose(maxes.cpu(), ref_maxes.cpu(), rtol=1e-5)
+    np.testing.assert_allclose(entropy.cpu(), ref_entropy.cpu(), rtol=1e-5)
+
+
 @pytest.mark.parametrize("window", [None, 40])
 def test_grouped_partials_match_the_reference_per_layer(window):
     layers, batch, heads, length, head_dim = 2, 1, 2, 200, 16
@@ -106,13 +123,16 @@ def _cos_sin(batch, length, head_dim, g):
     return freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
 
 
-@pytest.mark.parametrize("window", [None, 40])
-@pytest.mark.parametrize("cos_batch", [1, 2])
-def test_unrotated_q_and_rotated_k_match_the_reference(window, cos_batch):
+@pytest.mark.parametrize(
+    ("window", "cos_batch", "head_dim"),
+    [(None, 1, 32), (None, 2, 32), (40, 1, 32), (40, 2, 32), (None, 2, 80)],
+)
+def test_unrotated_q_and_rotated_k_match_the_reference(window, cos_batch, head_dim):
     """q straight from its projection ([B, L, H*D] viewed as [B, H, L, D]), rotated in
     the kernel; k rotated by kernels.rope_rotate; both rounded to bf16 like SDPA's
-    inputs under autocast. Reference: the float32 rotation, rounded to bf16, in float64."""
-    batch, heads, kv_heads, length, head_dim = 2, 4, 2, 150, 32
+    inputs under autocast. Reference: the float32 rotation, rounded to bf16, in float64.
+    head_dim 80: halves of 40 padded to 64 by masks."""
+    batch, heads, kv_heads, length = 2, 4, 2, 150
     g = torch.Generator().manual_seed(11 + cos_batch)
     q_proj = (torch.randn(batch, length, heads * head_dim, generator=g) * 3).to(torch.bfloat16)
     k_proj = torch.randn(batch, length, kv_heads * head_dim, generator=g).to(torch.bfloat16)
