@@ -79,28 +79,13 @@ SWEEP = [
     attention.QKConfig(64, 64, 4, 3, warp_specialize=True),
     attention.QKConfig(128, 64, 4, 2, warp_specialize=True),
     attention.QKConfig(128, 64, 8, 2, warp_specialize=True),
-    # A register cap: head_dim 256 with q rotated in the kernel took 255 registers, so
-    # two programs per multiprocessor; at 168 three fit where shared memory lets them.
-    attention.QKConfig(64, 64, 4, 2, maxnreg=168),
-    attention.QKConfig(64, 64, 4, 1, maxnreg=168),
-    attention.QKConfig(64, 32, 4, 2, maxnreg=168),
-    attention.QKConfig(64, 32, 4, 3, maxnreg=168),
-    # q rotated by its own launch first (its time is in the kernel's).
-    attention.QKConfig(64, 64, 4, 2, rotate_q=True),
-    attention.QKConfig(64, 64, 4, 1, rotate_q=True),
-    attention.QKConfig(64, 32, 4, 2, rotate_q=True),
-    attention.QKConfig(64, 32, 4, 3, rotate_q=True),
-    attention.QKConfig(128, 64, 8, 2, rotate_q=True),
 ]
 
 
 def tiles(cfg: attention.QKConfig) -> str:
-    """A config in a few characters: 64x64/4w/2s, then /ws, /r168 (register cap), /rq."""
-    return (
-        f"{cfg.block_m}x{cfg.block_n}/{cfg.num_warps}w/{cfg.num_stages}s"
-        f"{'/ws' if cfg.warp_specialize else ''}"
-        f"{f'/r{cfg.maxnreg}' if cfg.maxnreg else ''}{'/rq' if cfg.rotate_q else ''}"
-    )
+    """A config in a few characters: 64x64/4w/2s, /ws when warp-specialised."""
+    ws = "/ws" if cfg.warp_specialize else ""
+    return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_warps}w/{cfg.num_stages}s{ws}"
 
 
 @triton.jit

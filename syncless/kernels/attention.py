@@ -44,7 +44,7 @@ import triton.language as tl
 from syncless.hot_path import hot_path
 from syncless.kernels import interpreting
 from syncless.kernels.attention_config import QKConfig, config_for, fp32_precision
-from syncless.kernels.rope import cos_strides, rotate, rounded
+from syncless.kernels.rope import cos_strides, rounded
 
 _LOG2E = math.log2(math.e)
 _LN2: tl.constexpr = tl.constexpr(math.log(2.0))
@@ -53,61 +53,49 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 @triton.jit
 def _load_q(
-    q_base, cos_base, sin_base, qpos, row_ok, d_lo, d_hi, ok_lo, ok_hi, sqm, sqd, scl, scd,
-    ROPE: tl.constexpr, COMPUTE: tl.constexpr, UPCAST: tl.constexpr,
+    q_base, cos_base, sin_base, qpos, row_ok, d, d_ok, sqm, sqd, scl, scd,
+    HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, COMPUTE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """The block's query rows as two halves of head_dim, ``(q[:, :D/2], q[:, D/2:])``, in
-    ``COMPUTE`` (float32 holding them with ``UPCAST``), rotated first when ``ROPE``."""
+    """The block's query rows in ``COMPUTE`` (float32 holding them with ``UPCAST``),
+    rotated first when ``ROPE``."""
+    mask = row_ok[:, None] & d_ok[None, :]
     rows = qpos[:, None].to(tl.int64)
-    m_lo = row_ok[:, None] & ok_lo[None, :]
-    m_hi = row_ok[:, None] & ok_hi[None, :]
-    lo = tl.load(q_base + rows * sqm + d_lo[None, :] * sqd, mask=m_lo, other=0.0)
-    hi = tl.load(q_base + rows * sqm + d_hi[None, :] * sqd, mask=m_hi, other=0.0)
+    q = tl.load(q_base + rows * sqm + d[None, :] * sqd, mask=mask, other=0.0)
     if ROPE:
-        # rotate_half(x) = cat(-x[D/2:], x[:D/2]); x * cos + rotate_half(x) * sin, one
-        # half at a time: the whole row in float32 with its partner, cos and sin took
-        # 254 registers at head_dim 256 and left room for two programs per multiprocessor.
-        lo32 = lo.to(tl.float32)
-        hi32 = hi.to(tl.float32)
-        cos = tl.load(cos_base + rows * scl + d_lo[None, :] * scd, mask=m_lo, other=0.0)
-        sin = tl.load(sin_base + rows * scl + d_lo[None, :] * scd, mask=m_lo, other=0.0)
-        lo = lo32 * cos.to(tl.float32) + (-hi32) * sin.to(tl.float32)
-        cos = tl.load(cos_base + rows * scl + d_hi[None, :] * scd, mask=m_hi, other=0.0)
-        sin = tl.load(sin_base + rows * scl + d_hi[None, :] * scd, mask=m_hi, other=0.0)
-        hi = hi32 * cos.to(tl.float32) + lo32 * sin.to(tl.float32)
-    return rounded(lo, COMPUTE, UPCAST), rounded(hi, COMPUTE, UPCAST)
+        # rotate_half(x) = cat(-x[D/2:], x[:D/2]); x * cos + rotate_half(x) * sin.
+        half: tl.constexpr = HEAD_DIM // 2
+        first = d < half
+        partner = tl.where(first, d + half, d - half)
+        sign = tl.where(first, -1.0, 1.0)
+        qp = tl.load(q_base + rows * sqm + partner[None, :] * sqd, mask=mask, other=0.0)
+        cos = tl.load(cos_base + rows * scl + d[None, :] * scd, mask=mask, other=0.0)
+        sin = tl.load(sin_base + rows * scl + d[None, :] * scd, mask=mask, other=0.0)
+        q = q.to(tl.float32) * cos.to(tl.float32) + (qp.to(tl.float32) * sign[None, :]) * sin.to(
+            tl.float32
+        )
+    return rounded(q, COMPUTE, UPCAST)
 
 
 @triton.jit
 def _k_logits(
-    q_lo, q_hi, k_base, start, K_LEN, skn, skd, d_lo, d_hi, ok_lo, ok_hi,
+    q, k_base, start, K_LEN, skn, skd, d, d_ok,
     PRECISION: tl.constexpr, COMPUTE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, TAIL: tl.constexpr,
 ):  # fmt: skip
-    """Unscaled logits ``[BLOCK_M, BLOCK_N]`` (float32) of the keys from ``start``, one
-    dot per half of head_dim; ``TAIL``: some keys may lie at or past ``K_LEN`` (loaded
-    as zeros)."""
+    """Unscaled logits ``[BLOCK_M, BLOCK_N]`` (float32) of the keys from ``start``;
+    ``TAIL``: some may lie at or past ``K_LEN`` (loaded as zeros)."""
     n = start + tl.arange(0, BLOCK_N)
-    rows = n[:, None].to(tl.int64) * skn
-    m_lo = ok_lo[None, :]
-    m_hi = ok_hi[None, :]
+    mask = d_ok[None, :]
     if TAIL:
-        m_lo = m_lo & (n < K_LEN)[:, None]
-        m_hi = m_hi & (n < K_LEN)[:, None]
-    k_lo = rounded(
-        tl.load(k_base + rows + d_lo[None, :] * skd, mask=m_lo, other=0.0), COMPUTE, UPCAST
-    )
-    k_hi = rounded(
-        tl.load(k_base + rows + d_hi[None, :] * skd, mask=m_hi, other=0.0), COMPUTE, UPCAST
-    )
-    acc = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION)
-    return tl.dot(q_hi, tl.trans(k_hi), acc=acc, input_precision=PRECISION)
+        mask = mask & (n < K_LEN)[:, None]
+    kb = tl.load(k_base + n[:, None].to(tl.int64) * skn + d[None, :] * skd, mask=mask, other=0.0)
+    kb = rounded(kb, COMPUTE, UPCAST)
+    return tl.dot(q, tl.trans(kb), input_precision=PRECISION)
 
 
 @triton.jit
 def _masked_update(
-    q_lo, q_hi, k_base, start, m, s_sum, t_sum, row_ok, kpos, K_LEN, WINDOW, skn, skd,
-    d_lo, d_hi, ok_lo, ok_hi, scale2,
+    q, k_base, start, m, s_sum, t_sum, row_ok, kpos, K_LEN, WINDOW, skn, skd, d, d_ok, scale2,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     COMPUTE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -115,7 +103,7 @@ def _masked_update(
     not allowed (causal diagonal, sliding window edge, past ``K_LEN``, rows past the
     end)."""
     n = start + tl.arange(0, BLOCK_N)
-    raw = _k_logits(q_lo, q_hi, k_base, start, K_LEN, skn, skd, d_lo, d_hi, ok_lo, ok_hi,
+    raw = _k_logits(q, k_base, start, K_LEN, skn, skd, d, d_ok,
                     PRECISION, COMPUTE, UPCAST, BLOCK_N, True)  # fmt: skip
     allowed = row_ok[:, None] & (n < K_LEN)[None, :]
     if CAUSAL:
@@ -153,18 +141,14 @@ def _qk_block(
     j = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = j < N_ROWS
     qpos = phase + stride * j
-    # head_dim in two halves (see _load_q); the upper one starts at HALF = ceil(D / 2).
-    HALF: tl.constexpr = (HEAD_DIM + 1) // 2
-    d_lo = tl.arange(0, BLOCK_D)
-    ok_lo = d_lo < HALF
-    d_hi = HALF + d_lo
-    ok_hi = d_hi < HEAD_DIM
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
     q_base = q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
     cos_base = cos_ptr + b.to(tl.int64) * scb
     sin_base = sin_ptr + b.to(tl.int64) * scb
     # Rows past N_ROWS load zeros: finite logits in the unmasked blocks, dropped at the end.
-    q_lo, q_hi = _load_q(q_base, cos_base, sin_base, qpos, row_ok, d_lo, d_hi, ok_lo, ok_hi,
-                         sqm, sqd, scl, scd, ROPE, COMPUTE, UPCAST)  # fmt: skip
+    q = _load_q(q_base, cos_base, sin_base, qpos, row_ok, d, d_ok, sqm, sqd, scl, scd,
+                HEAD_DIM, ROPE, COMPUTE, UPCAST)  # fmt: skip
     # Bottom-right alignment: query i sits at key position i + K_LEN - Q_LEN.
     kpos = qpos + (K_LEN - Q_LEN)
     first_row = rb * BLOCK_M
@@ -202,12 +186,11 @@ def _qk_block(
     k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
     for start in range(lo, a_start, BLOCK_N):
         m, s_sum, t_sum = _masked_update(
-            q_lo, q_hi, k_base, start, m, s_sum, t_sum, row_ok, kpos, K_LEN, WINDOW, skn, skd,
-            d_lo, d_hi, ok_lo, ok_hi, scale2, CAUSAL, HAS_WINDOW, PRECISION, COMPUTE, UPCAST,
-            BLOCK_N,
+            q, k_base, start, m, s_sum, t_sum, row_ok, kpos, K_LEN, WINDOW, skn, skd, d, d_ok,
+            scale2, CAUSAL, HAS_WINDOW, PRECISION, COMPUTE, UPCAST, BLOCK_N,
         )  # fmt: skip
     for start in tl.range(a_start, b_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        raw = _k_logits(q_lo, q_hi, k_base, start, K_LEN, skn, skd, d_lo, d_hi, ok_lo, ok_hi,
+        raw = _k_logits(q, k_base, start, K_LEN, skn, skd, d, d_ok,
                         PRECISION, COMPUTE, UPCAST, BLOCK_N, False)  # fmt: skip
         # Every logit is finite, so is m_new; only the first block's m = -inf with
         # S = 0 needs the (per-row, cheap) guard against -inf * 0.
@@ -221,9 +204,8 @@ def _qk_block(
         m = m_new
     for start in range(b_end, hi, BLOCK_N):
         m, s_sum, t_sum = _masked_update(
-            q_lo, q_hi, k_base, start, m, s_sum, t_sum, row_ok, kpos, K_LEN, WINDOW, skn, skd,
-            d_lo, d_hi, ok_lo, ok_hi, scale2, CAUSAL, HAS_WINDOW, PRECISION, COMPUTE, UPCAST,
-            BLOCK_N,
+            q, k_base, start, m, s_sum, t_sum, row_ok, kpos, K_LEN, WINDOW, skn, skd, d, d_ok,
+            scale2, CAUSAL, HAS_WINDOW, PRECISION, COMPUTE, UPCAST, BLOCK_N,
         )  # fmt: skip
 
     entropy = tl.where(row_ok, tl.log(s_sum) - _LN2 * t_sum / s_sum, 0.0)
@@ -337,14 +319,11 @@ def _launch_args(
         "UPCAST": upcast,
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
-        # Half of head_dim: the kernel works on its two halves (_load_q).
-        "BLOCK_D": max(16, triton.next_power_of_2((q.shape[3] + 1) // 2)),
+        "BLOCK_D": max(16, triton.next_power_of_2(q.shape[3])),
         "WARP_SPECIALIZE": cfg.warp_specialize,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
     }
-    if cfg.maxnreg is not None:
-        constexprs["maxnreg"] = cfg.maxnreg
     return rope_args, constexprs
 
 
@@ -372,9 +351,6 @@ def qk_stats_partials(
     b, h, q_len, _ = q.shape
     hkv, k_len = k.shape[1], k.shape[2]
     n_rows = (q_len - phase + stride - 1) // stride
-    if q_rope is not None and config is not None and config.rotate_q:
-        q = rotate(q, *q_rope, compute_dtype or q.dtype)
-        q_rope = None
     rope_args, meta = _launch_args(q, q_rope, compute_dtype, config)
     n_rb = triton.cdiv(n_rows, meta["BLOCK_M"])
     out = torch.empty((b * n_rb, 2 * h + 1), dtype=torch.float32, device=q.device)

@@ -24,17 +24,6 @@ class QKConfig:
     num_warps: int
     num_stages: int
     warp_specialize: bool = False
-    # A register cap per thread (Triton's ``maxnreg``): below 170 at 4 warps, three
-    # programs fit on a multiprocessor instead of two (65536 registers), so one
-    # program's exponentials can run under another's GEMM. The cap spills, but only in
-    # the prologue where q is rotated (the unmasked key loop has no local loads at 168,
-    # in the SASS of head_dim 256); a sweep candidate.
-    maxnreg: int | None = None
-    # Rotate q by its own launch (syncless.kernels.rope.rotate) and run the kernel on
-    # the rotated copy: q then reaches the GEMM from shared memory (85 registers at
-    # head_dim 256 against 255 when the kernel rotates it), for one more launch and a
-    # copy of q; a sweep candidate, single-layer launches only.
-    rotate_q: bool = False
 
 
 # Per head_dim (the largest that fits wins). Before this table: 128 x 32, 8 warps for
