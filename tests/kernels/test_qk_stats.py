@@ -74,9 +74,8 @@ def test_partials_match_the_reference(q_len, k_len, causal, window, phase, strid
 
 @pytest.mark.parametrize("head_dim", [17, 40, 80])
 def test_head_dims_that_do_not_fill_a_power_of_two(head_dim):
-    """The kernel splits head_dim in two halves, the upper one from ceil(D / 2), each
-    padded to a power of two: an odd D (17: halves of 9 and 8) and halves padded by
-    masks (40 -> 20 of 32, 80 -> 40 of 64) must add up to the whole dot."""
+    """head_dim is padded by masks to a power of two (17 of 32, 40 of 64, 80 of 128):
+    the masked columns must add nothing to the dot, an odd D included."""
     batch, heads, kv_heads, length = 1, 2, 1, 150
     g = torch.Generator().manual_seed(head_dim)
     q = (torch.randn(batch, heads, length, head_dim, generator=g) * 3).to(DEVICE)
@@ -131,7 +130,8 @@ def test_unrotated_q_and_rotated_k_match_the_reference(window, cos_batch, head_d
     """q straight from its projection ([B, L, H*D] viewed as [B, H, L, D]), rotated in
     the kernel; k rotated by kernels.rope_rotate; both rounded to bf16 like SDPA's
     inputs under autocast. Reference: the float32 rotation, rounded to bf16, in float64.
-    head_dim 80: halves of 40 padded to 64 by masks."""
+    head_dim 80: the kernel's 80 of 128 and the rotation's halves of 40 of 64 padded by
+    masks (on the H200 it caught the rotation's fused multiply-add, 1 bf16 ulp off)."""
     batch, heads, kv_heads, length = 2, 4, 2, 150
     g = torch.Generator().manual_seed(11 + cos_batch)
     q_proj = (torch.randn(batch, length, heads * head_dim, generator=g) * 3).to(torch.bfloat16)
