@@ -19,7 +19,9 @@ writer goes on with the next shard.
 
 from __future__ import annotations
 
+import errno
 import queue
+import shutil
 import sys
 import threading
 import time
@@ -304,6 +306,25 @@ class SinkWriter:
         if first:
             print(
                 f"syncless: capture sink {type(self._sink).__name__} failed ({err!r}); "
-                f"its records are counted as dropped (sink_error), further errors counted",
+                f"its records are counted as dropped (sink_error), further errors counted"
+                f"{full_volume_hint(self._sink, err, self._stats)}",
                 file=sys.stderr,
             )
+
+
+def full_volume_hint(sink: CaptureSink, err: BaseException, stats: CaptureStats) -> str:
+    """For a full volume or quota: how much the volume has free and what the sink
+    stored, so the reader knows whether their own shards filled it. '' otherwise."""
+    if not (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return ""
+    stored_gb = stats.snapshot().get("stored_bytes", 0) / 1e9
+    folder = getattr(sink, "dir", None)
+    try:
+        free = f"{shutil.disk_usage(folder).free / 1e9:.2f} GB free under {folder}, "
+    except (OSError, TypeError):  # not a local directory (an fsspec URL) or gone
+        free = ""
+    return (
+        f". The volume is full: {free}{stored_gb:.2f} GB stored by this engine. Free or "
+        f"move shards (a volume mounted with discard can hand deleted space back late: "
+        f"docs/capture.md, the soak), or capture less"
+    )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import re
+import shutil
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -142,7 +145,39 @@ def test_sink_failures_are_counted_as_dropped_records_and_training_goes_on(
     assert engine.dropped()["sink_error"] == 5 and c["dropped_sink_error_bytes"] == 5 * 64
     assert c["sink_errors_count"] == 5 and c["stored_count"] == 5
     assert c["offered_count"] == c["stored_count"] + sum(engine.dropped().values())
-    assert capsys.readouterr().err.count("disk full") == 1  # reported once
+    err = capsys.readouterr().err
+    assert err.count("disk full") == 1  # reported once
+    assert "volume is full" not in err  # an OSError without ENOSPC gets no disk hint
+
+
+class FullVolumeSink(SafetensorsSink):
+    """Writes its first shard, then fails as a full volume does."""
+
+    def write(self, records: Sequence[CapturedRecord]) -> None:
+        if list((self.dir).glob("*.safetensors")):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super().write(records)
+
+
+def test_a_full_volume_is_reported_with_its_free_space_and_what_was_stored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sink = FullVolumeSink(tmp_path)
+    config = EngineConfig(shard_bytes=4096)
+    engine = CaptureEngine(1 << 16, 1 << 14, sink, device="cpu", background=False, config=config)
+    for i in range(3):  # 1024 float32 = one shard each
+        assert engine.capture("x", torch.full((1024,), float(i)))
+        engine.poll()
+    engine.close()
+    err = capsys.readouterr().err
+    assert engine.dropped()["sink_error"] == 2
+    found = re.search(r"volume is full: ([0-9.]+) GB free under (\S+), ([0-9.]+) GB stored", err)
+    assert found, err
+    free_gb = shutil.disk_usage(tmp_path).free / 1e9
+    assert abs(float(found[1]) - free_gb) < 1.0 and found[2] == str(sink.dir)
+    shard = next(sink.dir.glob("*.safetensors"))
+    assert float(found[3]) == round(4096 / 1e9, 2)  # the one shard's tensor bytes
+    assert shard.stat().st_size > 4096
 
 
 def test_strict_mode_raises_sink_errors_on_the_training_thread() -> None:
