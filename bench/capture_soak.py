@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from capture_load import disk_rate  # bench/ is on sys.path as a script
+from capture_disk import disk_rate  # bench/ is on sys.path as a script
 from results import append_result
 
 from syncless.capture import CaptureEngine, EngineConfig, SafetensorsSink
