@@ -17,6 +17,9 @@ import torch
 from syncless.capture import CapturedRecord, CaptureEngine, EngineConfig, SafetensorsSink
 from syncless.capture import open as open_captures
 from syncless.errors import UsageError
+from syncless.guard import no_sync
+
+MiB = 1 << 20
 
 
 def record(seq: int, tensor: torch.Tensor, tag: str = "x", step: int | None = 0) -> CapturedRecord:
@@ -136,9 +139,10 @@ def test_sink_failures_are_counted_as_dropped_records_and_training_goes_on(
     # shard_bytes = one record: every record is its own shard, every other one fails.
     config = EngineConfig(shard_bytes=64)
     engine = CaptureEngine(1 << 12, 1 << 10, sink, device="cpu", background=False, config=config)
-    for i in range(10):
-        assert engine.capture("x", torch.full((16,), float(i)))
-        engine.poll()
+    with no_sync():
+        for i in range(10):
+            assert engine.capture("x", torch.full((16,), float(i)))
+            engine.poll()
     engine.close()
     assert sink.written == [0, 2, 4, 6, 8]
     c = engine.counters()
@@ -154,7 +158,7 @@ class FullVolumeSink(SafetensorsSink):
     """Writes its first shard, then fails as a full volume does."""
 
     def write(self, records: Sequence[CapturedRecord]) -> None:
-        if list((self.dir).glob("*.safetensors")):
+        if any(self.dir.glob("*.safetensors")):
             raise OSError(errno.ENOSPC, "No space left on device")
         super().write(records)
 
@@ -162,12 +166,14 @@ class FullVolumeSink(SafetensorsSink):
 def test_a_full_volume_is_reported_with_its_free_space_and_what_was_stored(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    record = torch.zeros(4 * MiB)  # 16 MiB: one shard each, 0.02 GB once stored
     sink = FullVolumeSink(tmp_path)
-    config = EngineConfig(shard_bytes=4096)
-    engine = CaptureEngine(1 << 16, 1 << 14, sink, device="cpu", background=False, config=config)
-    for i in range(3):  # 1024 float32 = one shard each
-        assert engine.capture("x", torch.full((1024,), float(i)))
-        engine.poll()
+    # One writer: the shards are written in order, so the first is the one stored.
+    config = EngineConfig(shard_bytes=record.nbytes, writers=1)
+    engine = CaptureEngine(64 * MiB, 32 * MiB, sink, device="cpu", config=config)
+    with no_sync():
+        for i in range(3):
+            assert engine.capture("x", record, step=i)
     engine.close()
     err = capsys.readouterr().err
     assert engine.dropped()["sink_error"] == 2
@@ -175,9 +181,8 @@ def test_a_full_volume_is_reported_with_its_free_space_and_what_was_stored(
     assert found, err
     free_gb = shutil.disk_usage(tmp_path).free / 1e9
     assert abs(float(found[1]) - free_gb) < 1.0 and found[2] == str(sink.dir)
-    shard = next(sink.dir.glob("*.safetensors"))
-    assert float(found[3]) == round(4096 / 1e9, 2)  # the one shard's tensor bytes
-    assert shard.stat().st_size > 4096
+    assert len(list(sink.dir.glob("*.safetensors"))) == 1
+    assert float(found[3]) == round(record.nbytes / 1e9, 2)  # the one stored shard's tensor
 
 
 def test_strict_mode_raises_sink_errors_on_the_training_thread() -> None:
