@@ -53,7 +53,7 @@ def mount_of(folder: Path) -> str:
         with open("/proc/mounts") as f:
             for line in f:
                 _, point, fstype, options, *_ = line.split()
-                if str(folder.resolve()).startswith(point) and len(point) > len(best[0]):
+                if folder.resolve().is_relative_to(point) and len(point) > len(best[0]):
                     best = (point, f"{fstype} {options} at {point}")
     except OSError:
         pass
