@@ -7,6 +7,8 @@ flag, so "record every N steps" costs no retrace and no graph re-capture.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from syncless.metrics.schema import MetricSpec
@@ -51,6 +53,29 @@ class Slot:
         self._count = buffer[c : c + n] if c is not None else None
         self._max = buffer[m : m + n] if m is not None else None
         self._gate, self._gate_on, self._neg_inf = gate, gate_on, neg_inf
+
+    def narrow(self, start: int, width: int) -> Slot:
+        """A slot over elements ``start .. start + width - 1`` of this one (allocated):
+        a tensor-parallel shard records its heads or channels into its slice, and the
+        other elements stay neutral for the flush's reduce to fill from other ranks."""
+        if self.offsets is None or self._buffer is None:
+            raise self._unbound()
+        if start < 0 or width < 1 or start + width > self.spec.size:
+            raise ValueError(
+                f"metric {self.spec.key!r}: elements [{start}, {start + width}) are "
+                f"outside its {self.spec.size}"
+            )
+        if start == 0 and width == self.spec.size:
+            return self
+        part = Slot(dataclasses.replace(self.spec, size=width))
+        part.bind(
+            self._buffer,
+            tuple(None if o is None else o + start for o in self.offsets),  # type: ignore[arg-type]
+            self._gate,  # type: ignore[arg-type]
+            self._gate_on,  # type: ignore[arg-type]
+            self._neg_inf,  # type: ignore[arg-type]
+        )
+        return part
 
     def _unbound(self) -> RuntimeError:
         return RuntimeError(

@@ -92,11 +92,14 @@ class AttentionMonitor:
     def prepare(self, ctx: MonitorContext) -> None:
         for site in ctx.model.attention:
             _check_site(site)
+            # Every head of the layer: a tensor-parallel rank records its slice, and the
+            # flush's reduce assembles the others' (neutral elements stay absent).
+            heads = site.global_heads
             logit_max = ctx.metrics.declare(
-                AREA, LOGIT_MAX, "max", size=site.n_heads, layer=site.layer, element="head"
+                AREA, LOGIT_MAX, "max", size=heads, layer=site.layer, element="head"
             )
             entropy = ctx.metrics.declare(
-                AREA, ENTROPY, "mean", size=site.n_heads, layer=site.layer, element="head"
+                AREA, ENTROPY, "mean", size=heads, layer=site.layer, element="head"
             )
             self._recorders[site.layer] = _LayerRecorder(self, site, logit_max, entropy)
         if self._recorders:
@@ -108,10 +111,9 @@ class AttentionMonitor:
         for site in ctx.model.attention:
             recorder = self._recorders[site.layer]
             recorder.frac = self._frac
-            recorder.group = SlotGroup(
-                ctx.metrics,
-                [Column(recorder.logit_max), Column(recorder.entropy), Column(self._frac)],
-            )
+            recorder.logit_max = recorder.logit_max_full.narrow(site.head_offset, site.n_heads)
+            recorder.entropy = recorder.entropy_full.narrow(site.head_offset, site.n_heads)
+            recorder.group = SlotGroup(ctx.metrics, [*recorder.head_columns(), Column(self._frac)])
             ctx.handles += site.attach_qk_rotary(ctx.timed(self.name, recorder.record))
         recorders = [self._recorders[site.layer] for site in ctx.model.attention]
         if self.launch == "grouped" and len({r.statics for r in recorders}) == 1:
@@ -150,11 +152,7 @@ class AttentionMonitor:
 
         # Each layer's 2H + 1 columns: its max logits and entropy sums are folded; its
         # rows-used column is not (the shared fraction is updated once, above).
-        columns = [
-            c
-            for r in recorders
-            for c in (Column(r.logit_max), Column(r.entropy), Column(None, width=1))
-        ]
+        columns = [c for r in recorders for c in (*r.head_columns(), Column(None, width=1))]
         return LayerBatch(
             [r.layer for r in recorders],
             SlotGroup(ctx.metrics, columns),
@@ -270,6 +268,10 @@ class _LayerRecorder:
         # The site hands q/k before their rotation (attach_qk_rotary): the grouped
         # launch then takes (q, k, cos, sin) per layer.
         self.rotary_inputs = bool(getattr(site, "rotate_half", False))
+        # This rank's heads within the layer's (all of them without tensor parallelism).
+        self.head_offset = site.head_offset
+        self.logit_max_full, self.entropy_full = logit_max, entropy
+        # This rank's slices of them, once allocated (attach).
         self.logit_max, self.entropy = logit_max, entropy
         self.frac: Slot | None = None
         self.group: SlotGroup | None = None  # the fused path's fold targets (attach)
@@ -321,6 +323,14 @@ class _LayerRecorder:
         self.entropy.add(entropy_sum, count=seen)
         assert self.frac is not None, "attach() sets the sampled-fraction slot"
         self.frac.add(used, count=seen)
+
+    def head_columns(self) -> tuple[Column, Column]:
+        """The fold targets of this rank's heads: max logits, then entropy sums."""
+        start, width = self.head_offset, self.n_heads
+        return (
+            Column(self.logit_max_full, width=width, start=start),
+            Column(self.entropy_full, width=width, start=start),
+        )
 
     @property
     def statics(self) -> tuple:

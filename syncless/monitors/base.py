@@ -113,7 +113,12 @@ class MonitorContext:
     def attach_output(self, monitor: Any, site: LayerSite, record: Callable[..., Any]) -> None:
         """Hook ``record``, billed to ``monitor``, on ``site``'s block output; the monitor
         keeps the callback and the handles in its ``output_records``/``output_handles``
-        (``output_read`` may replace the handles with one hook shared with a partner)."""
+        (``output_read`` may replace the handles with one hook shared with a partner).
+
+        A site whose output is a copy another rank measures (``output_replica``) is not
+        hooked: its counts would be summed once per copy."""
+        if site.output_replica:
+            return
         handles = site.attach_output(self.timed(monitor.name, record))
         monitor.output_records[site.index] = record
         monitor.output_handles[site.index] = handles

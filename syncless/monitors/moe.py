@@ -92,6 +92,25 @@ def router_stats(logits: torch.Tensor, top_k: int, score: str, one: torch.Tensor
     return RouterStats(counts, torch.dot(lse, lse), mass_sum)
 
 
+@hot_path
+def router_stats_from_map(
+    logits: torch.Tensor, routing_map: torch.Tensor, score: str
+) -> RouterStats:
+    """:func:`router_stats` with the experts the router itself chose, ``routing_map``
+    ``[T, n_experts]`` bool: the counts are its column sums and the top-k mass is the
+    chosen experts' share of the score mass, whatever rule chose them."""
+    x = logits.float()
+    counts = routing_map.sum(dim=0, dtype=torch.float64)
+    chosen = routing_map.to(x.dtype)
+    lse = torch.logsumexp(x, dim=-1)
+    if score == "softmax":  # a static router property, not a tensor value
+        mass_sum = (x.softmax(dim=-1) * chosen).sum()
+    else:
+        scores = x.sigmoid()
+        mass_sum = ((scores * chosen).sum(dim=-1) / scores.sum(dim=-1)).sum()
+    return RouterStats(counts, torch.dot(lse, lse), mass_sum)
+
+
 def load_stats(counts: np.ndarray) -> LoadStats:
     """Imbalance, coefficient of variation and normalised entropy of expert counts."""
     imbalance, cv, entropy_frac = load_stats_rows(np.asarray(counts, dtype=np.float64)[None])
@@ -254,9 +273,16 @@ class MoEMonitor:
             groups[layer.site.layer] = group = SlotGroup(
                 ctx.metrics, [Column(layer.tokens), Column(layer.zloss), Column(layer.mass)]
             )
+            if layer.site.routing_map:
+                hook = ctx.timed(self.name, self._make_routing_hook(layer))
+                ctx.handles += layer.site.attach_routing(hook)
+                continue
             hook = ctx.timed(self.name, self._make_logits_hook(layer, one, group))
             ctx.handles += layer.site.attach_logits(hook)
-        shapes = {(r.site.n_experts, r.site.top_k, r.site.score) for r in self._layers}
+        # Routers that hand over their own choice record through the torch path: the
+        # grouped kernel recomputes a top-k.
+        by_logits = [r for r in self._layers if not r.site.routing_map]
+        shapes = {(r.site.n_experts, r.site.top_k, r.site.score) for r in by_logits}
         if self.launch == "grouped" and len(shapes) == 1:  # one kernel for every router
             _, top_k, score = shapes.pop()
             softmax = score == "softmax"
@@ -266,10 +292,10 @@ class MoEMonitor:
                 groups[index].fold(partials, logits.shape[0])
 
             self._batch = LayerBatch(
-                [r.site.layer for r in self._layers],
+                [r.site.layer for r in by_logits],
                 SlotGroup(
                     ctx.metrics,
-                    [Column(slot) for r in self._layers for slot in (r.tokens, r.zloss, r.mass)],
+                    [Column(slot) for r in by_logits for slot in (r.tokens, r.zloss, r.mass)],
                 ),
                 view=lambda logits: (logits,),
                 grouped=lambda logits, offsets, n: kernels.router_partials_grouped(
@@ -300,6 +326,22 @@ class MoEMonitor:
                 group.fold(kernels.router_partials(logits, top_k, softmax), n_tokens)
                 return
             stats = router_stats(logits, top_k, score, one)
+            tokens.add(stats.counts, count=n_tokens)
+            zloss.add(stats.zloss_sum, count=n_tokens)
+            mass.add(stats.mass_sum, count=n_tokens)
+
+        return record
+
+    def _make_routing_hook(self, layer: _RouterLayer):
+        tokens, zloss, mass = layer.tokens, layer.zloss, layer.mass
+        score = layer.site.score
+
+        @hot_path
+        def record(logits: torch.Tensor, routing_map: torch.Tensor) -> None:
+            if not self.active:
+                return
+            n_tokens = logits.shape[0]  # a shape, fixed by the batch: not a tensor value
+            stats = router_stats_from_map(logits, routing_map, score)
             tokens.add(stats.counts, count=n_tokens)
             zloss.add(stats.zloss_sum, count=n_tokens)
             mass.add(stats.mass_sum, count=n_tokens)

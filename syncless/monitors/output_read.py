@@ -71,6 +71,8 @@ def fuse_output_reads(ctx: MonitorContext, monitors: Sequence[Monitor]) -> Layer
     acts.share(shared, partner=nonf)  # nonfinite's own callback runs only without it
     ctx.batches.append(shared)
     for site in ctx.model.layers:
+        if site.output_replica:
+            continue  # not hooked (MonitorContext.attach_output)
         for handle in acts.output_handles.pop(site.index) + nonf.output_handles.pop(site.index):
             handle.remove()
             ctx.handles.remove(handle)

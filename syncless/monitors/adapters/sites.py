@@ -22,6 +22,8 @@ from torch.utils.hooks import RemovableHandle
 
 QKCallback = Callable[[Tensor, Tensor], None]
 TensorCallback = Callable[[Tensor], None]
+# (router logits [T, n_experts], the router's own routing map [T, n_experts] bool)
+RoutingCallback = Callable[[Tensor, Tensor], None]
 RopeFn = Callable[..., tuple[Tensor, Tensor]]
 
 
@@ -47,10 +49,16 @@ RotaryQKCallback = Callable[[Tensor, Tensor, "Rotary | None"], None]
 class AttentionSite:
     """One attention module and the static shape of its softmax(QK^T).
 
-    ``n_heads`` / ``n_kv_heads`` are query and key/value heads (``n_kv_heads <
-    n_heads`` under grouped-query attention), ``scale`` multiplies QK^T before the
-    softmax, ``causal`` says whether a causal mask is applied (``sliding_window``, when
-    set, further limits each query to the last ``sliding_window`` keys).
+    ``n_heads`` / ``n_kv_heads`` are the query and key/value heads this rank's q and k
+    carry (``n_kv_heads < n_heads`` under grouped-query attention), ``scale`` multiplies
+    QK^T before the softmax, ``causal`` says whether a causal mask is applied
+    (``sliding_window``, when set, further limits each query to the last
+    ``sliding_window`` keys).
+
+    Under tensor parallelism a rank holds a contiguous slice of the heads: query heads
+    ``head_offset .. head_offset + n_heads - 1`` of ``total_heads``. Monitors record
+    per-head statistics under the global head index, so the flush's cross-rank reduce
+    assembles every head. ``total_heads=None`` means this rank holds them all.
 
     Adapters subclass this and implement :meth:`attach_qk` for their model family.
     """
@@ -63,6 +71,13 @@ class AttentionSite:
     scale: float
     causal: bool
     sliding_window: int | None = None
+    head_offset: int = 0
+    total_heads: int | None = None
+
+    @property
+    def global_heads(self) -> int:
+        """The query heads of the whole layer, across tensor-parallel ranks."""
+        return self.n_heads if self.total_heads is None else self.total_heads
 
     def attach_qk(self, callback: QKCallback) -> list[RemovableHandle]:
         """Call ``callback(q, k)`` once per forward of :attr:`module`.
@@ -102,6 +117,11 @@ class RouterSite:
     element ``logits_index`` of it when that output is a tuple (``None``: the output
     is the logits tensor itself). An adapter whose router exposes its logits some
     other way overrides :meth:`attach_logits`.
+
+    ``routing_map=True``: the site also hands over the router's own choice of experts
+    (:meth:`attach_routing`), and monitors count tokens per expert from it rather than
+    from a top-k of the logits. Routers whose choice is not the top-k of their scores
+    (an expert bias, group-limited routing, capacity dropping) need it.
     """
 
     layer: int
@@ -112,6 +132,16 @@ class RouterSite:
     normalize_topk: bool
     logits_module: nn.Module | None = field(default=None, repr=False)
     logits_index: int | None = None
+    routing_map: bool = False
+
+    def attach_routing(self, callback: RoutingCallback) -> list[RemovableHandle]:
+        """Call ``callback(logits, routing_map)`` once per forward: the logits as in
+        :meth:`attach_logits` and the experts the router chose, ``[T, n_experts]``
+        bool. Only sites with ``routing_map=True`` implement it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} (layer {self.layer}) does not hand over its routing "
+            "map (routing_map=False): use attach_logits()"
+        )
 
     def attach_logits(self, callback: TensorCallback) -> list[RemovableHandle]:
         """Call ``callback(router_logits)`` once per forward, logits ``[T, n_experts]``.
@@ -125,13 +155,20 @@ class RouterSite:
 @dataclass
 class LayerSite:
     """One transformer block: its attention, its router (``None`` for dense layers)
-    and its MLP or MoE module."""
+    and its MLP or MoE module.
+
+    ``output_replica``: this rank's block output is a copy of one that another rank
+    measures too (tensor-parallel ranks other than the first, without sequence
+    parallelism). Monitors of the output leave such a copy alone: a count summed over
+    ranks would count it once per copy.
+    """
 
     index: int
     block: nn.Module
     attention: AttentionSite | None
     router: RouterSite | None
     mlp: nn.Module | None
+    output_replica: bool = False
 
     def parameters(self) -> list[nn.Parameter]:
         """This layer's parameters (every parameter of :attr:`block`), for norms."""
