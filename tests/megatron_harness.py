@@ -7,7 +7,8 @@ megatron-core 0.16.1) points them at the CPU:
 2. a CPU RNG tracker stands in for ``tensor_parallel.random``'s CUDA one;
 3. ``moe_utils.te_general_gemm = None`` without TransformerEngine (0.16.1 defines it
    only inside ``try: import transformer_engine``);
-4. a ``TorchFunctionMode`` turns ``device="cuda"`` into the CPU for the pipeline
+4. the torch LayerNorm fallback accepts sequence parallelism (it asserts it off);
+5. a ``TorchFunctionMode`` turns ``device="cuda"`` into the CPU for the pipeline
    schedules' ``torch.zeros(..., device="cuda")``, and ``torch.cuda.synchronize`` and
    ``torch.cuda.Stream`` become no-ops.
 
@@ -77,20 +78,77 @@ class _CudaToCpu(TorchFunctionMode):
 
 
 def patch_megatron_for_cpu() -> None:
-    """Apply the shim once per process (idempotent)."""
+    """Apply the shim (idempotent); :func:`unpatch` puts torch and megatron back."""
     global _PATCHED
     if _PATCHED:
         return
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer import torch_norm
     from megatron.core.transformer.moe import moe_utils
 
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    mcore_random._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
-    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    _set(torch.cuda, "current_device", lambda: "cpu")
+    _set(torch.cuda, "synchronize", lambda *a, **k: None)
+    _set(torch.cuda, "Stream", _CpuStream)
+    _set(torch.cuda, "current_stream", lambda *a, **k: _CPU_STREAM)
+    _set(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    _set(mcore_random, "_CUDA_RNG_STATE_TRACKER", CpuRngTracker())
+    _set(mcore_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    _set(moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None))
+    _set(torch_norm.WrappedTorchNorm, "__new__", _sequence_parallel_norm(torch_norm))
     _PATCHED = True
+
+
+def unpatch() -> None:
+    """Undo :func:`patch_megatron_for_cpu` (the pytest process runs other tests after)."""
+    global _PATCHED
+    while _SAVED:
+        owner, name, old = _SAVED.pop()
+        setattr(owner, name, old)
+    _PATCHED = False
+
+
+_SAVED: list[tuple[Any, str, Any]] = []
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    _SAVED.append((owner, name, owner.__dict__.get(name, getattr(owner, name, None))))
+    setattr(owner, name, value)
+
+
+class _CpuEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuStream:
+    """The stream the alltoall dispatcher copies its splits on: the CPU has one."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return _CpuEvent()
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _sequence_parallel_norm(torch_norm: Any) -> Any:
+    """The torch LayerNorm fallback asserts sequence parallelism off: build it from a
+    copy of the config with it off, and tag its parameters as Megatron's own norms do
+    (their gradients are then all-reduced over the tensor-parallel group)."""
+    build = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, *args, **kwargs):
+        sequence_parallel = config.sequence_parallel
+        if sequence_parallel:
+            config = dataclasses.replace(config, sequence_parallel=False)
+        norm = build(cls, config, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = sequence_parallel
+        return norm
+
+    return staticmethod(new)
 
 
 def cuda_to_cpu() -> TorchFunctionMode:
@@ -135,6 +193,7 @@ def single_process(parallel: Parallel = Parallel()) -> Iterator[None]:
         parallel_state.destroy_model_parallel()
         if owned:
             dist.destroy_process_group()
+        unpatch()
 
 
 def gpt_config(
@@ -157,7 +216,8 @@ def gpt_config(
             num_moe_experts=experts,
             moe_router_topk=top_k,
             moe_ffn_hidden_size=2 * hidden,
-            moe_token_dispatcher_type="alltoall" if parallel.ep > 1 else "allgather",
+            # alltoall hands tensors to all_to_all_single as split sizes on the CPU
+            moe_token_dispatcher_type="allgather",
             moe_aux_loss_coeff=0.0,
             moe_router_load_balancing_type="none",
         )

@@ -169,7 +169,12 @@ class NormsMonitor:
     def prepare(self, ctx: MonitorContext) -> None:
         in_optimizer = [p for g in self.optimizer.param_groups for p in g["params"]]
         members, self.unmonitored_params = find_members(
-            in_optimizer, ctx.model.layers, ctx.roots, self.is_sharded, self._names(ctx)
+            in_optimizer,
+            ctx.model.layers,
+            ctx.roots,
+            self.is_sharded,
+            self._names(ctx),
+            ctx.model.param_layout,
         )
         quantities = QUANTITIES if self.update_ratio else QUANTITIES[:2]
         slots: dict[tuple[int, bool], dict[str, Slot]] = {}

@@ -59,10 +59,18 @@ def is_sharded(p: torch.Tensor) -> bool:
 @hot_path
 def local_grads(params: list[nn.Parameter], dtensors: bool) -> list[torch.Tensor | None]:
     """The parameters' gradients (this rank's shards when ``dtensors``); ``None`` where
-    a parameter has none (Python structure, not a tensor value: no sync)."""
+    a parameter has none (Python structure, not a tensor value: no sync).
+
+    Megatron's ``DistributedDataParallel`` accumulates into ``p.main_grad`` and leaves
+    ``p.grad`` unset: that buffer is the gradient then (reduced by
+    ``finalize_model_grads`` before the optimizer steps)."""
     if not dtensors:
-        return [p.grad for p in params]
+        return [_grad(p) for p in params]
     return [None if p.grad is None else local(p.grad) for p in params]
+
+
+def _grad(p: nn.Parameter) -> torch.Tensor | None:
+    return p.grad if p.grad is not None else getattr(p, "main_grad", None)
 
 
 @hot_path

@@ -10,7 +10,9 @@ adds each rank's shard. Where every shard lives on several ranks (HSDP: FSDP2 on
 The sources, in order: a DTensor's placements (FSDP2, tensor parallel); FSDP1's handles
 (the ``FlatParameter`` when ``use_orig_params=False``, the original parameters that view
 it when ``True``); and for plain tensors that differ across ranks without saying so
-(expert-parallel experts), the user's ``is_sharded`` predicate. Issue #20: FSDP1 norms
+(expert-parallel experts), the layout the model's adapter reads from the parameters
+(``ModelMap.param_layout``: Megatron marks its tensor- and expert-parallel ones), then
+the user's ``is_sharded`` predicate. Issue #20: FSDP1 norms
 were silently wrong without a hand-written predicate, and HSDP's were sqrt(2) too large.
 """
 
@@ -126,6 +128,7 @@ def find_members(
     roots: Iterable[nn.Module],
     is_sharded: Callable[[str], bool],
     names: dict[int, str],
+    model_layout: Callable[[torch.Tensor], Layout | None] | None = None,
 ) -> tuple[list[Member], int]:
     """The tensors of ``params`` (the optimizer's) that belong to the mapped layers
     ``sites``, each with its layer and layout, and how many parameters lie outside every
@@ -162,6 +165,8 @@ def find_members(
             outside += 1
             continue
         layout = dtensor_layout(p) or fsdp1.get(id(p))
+        if layout is None and model_layout is not None:  # the adapter knows the model's
+            layout = model_layout(p)
         if layout is None:
             name = names.get(id(p), f"layers.{layer}.param")
             layout = Layout(True) if is_sharded(name) else REPLICATED

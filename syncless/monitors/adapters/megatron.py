@@ -122,7 +122,36 @@ class MegatronAdapter:
         config = gpt.config
         # ``first_layer`` is not added: Megatron numbers its layers globally already.
         layers = [_map_block(block, config) for block in blocks]
-        return ModelMap(adapter=self.name, layers=layers, d_model=int(config.hidden_size))
+        return ModelMap(
+            adapter=self.name,
+            layers=layers,
+            d_model=int(config.hidden_size),
+            param_layout=param_layout,
+        )
+
+
+def param_layout(p: Tensor) -> Any:
+    """How Megatron laid ``p`` out, from the attributes it sets on its parameters
+    (cold path, once per parameter at attach).
+
+    Expert weights (``allreduce=False``) differ across expert-parallel ranks and repeat
+    on each expert-data-parallel rank; tensor-parallel weights (``tensor_model_parallel``)
+    differ across tensor-parallel ranks and repeat on each data- and context-parallel
+    rank; the rest (norms, routers) is the same everywhere. The norms monitor sums the
+    first two over ranks and divides by the repeats (the metrics' group is the world).
+    """
+    from megatron.core import parallel_state
+
+    from syncless.monitors.norms_sharding import REPLICATED, Layout
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if getattr(p, "allreduce", True) is False:
+        return Layout(True, parallel_state.get_expert_data_parallel_world_size())
+    if getattr(p, "tensor_model_parallel", False):
+        dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        return Layout(True, dp)
+    return REPLICATED
 
 
 def _gpt(model: nn.Module) -> nn.Module | None:

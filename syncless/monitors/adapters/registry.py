@@ -126,7 +126,13 @@ def _merge(maps: list[ModelMap]) -> ModelMap:
             "layer_offsets (one first-layer index per chunk, in the model's numbering)"
         )
     names = list(dict.fromkeys(m.adapter for m in maps))
-    return ModelMap(adapter="+".join(names), layers=layers, d_model=widths.pop())
+    layouts = list(dict.fromkeys(m.param_layout for m in maps if m.param_layout is not None))
+    return ModelMap(
+        adapter="+".join(names),
+        layers=layers,
+        d_model=widths.pop(),
+        param_layout=layouts[0] if len(layouts) == 1 else None,
+    )
 
 
 def _unknown_model_message(model: nn.Module) -> str:

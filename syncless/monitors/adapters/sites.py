@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -185,11 +186,19 @@ class LayerSite:
 
 @dataclass
 class ModelMap:
-    """The layers an adapter found, in model order, and the model width."""
+    """The layers an adapter found, in model order, and the model width.
+
+    ``param_layout``: how a parameter is laid out across ranks, for models whose
+    parameters are plain tensors that differ across ranks (Megatron's tensor- and
+    expert-parallel weights): ``param_layout(p)`` returns a
+    ``syncless.monitors.norms_sharding.Layout``, or ``None`` to let the norms monitor
+    decide as for any other model.
+    """
 
     adapter: str
     layers: list[LayerSite]
     d_model: int
+    param_layout: Callable[[Tensor], Any] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -17,10 +17,10 @@ from torch import nn
 
 pytest.importorskip("megatron.core")
 
-from megatron_harness import Parallel, batch, gpt_config, gpt_model, single_process  # noqa: E402
+from megatron_harness import Parallel, batch, gpt_config, gpt_model, single_process
 
-from syncless.monitors import attach, build  # noqa: E402
-from syncless.monitors.adapters import MegatronAdapter, find_layers  # noqa: E402
+from syncless.monitors import attach, build
+from syncless.monitors.adapters import MegatronAdapter, find_layers
 
 SEQ = 16
 

@@ -1,0 +1,173 @@
+"""The monitors on Megatron-core under tensor, expert and pipeline parallelism, on 2
+spawned gloo ranks (CPU, the test shim of tests/megatron_harness.py).
+
+Each rank keeps its own ground truth with plain hooks (its heads' q and k recomputed
+from the attention's projections with a rotate-half RoPE written in the test, its
+router's routing map, its block outputs) and returns it; the test assembles the
+cluster-wide values from those and compares them with what rank 0 recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_harness import (
+    Parallel,
+    batch,
+    gpt_config,
+    gpt_model,
+    init_parallel,
+)
+
+from syncless.monitors import attach, build
+from syncless.testing import spawn_gloo
+
+pytestmark = pytest.mark.dist
+
+SEQ = 16
+
+
+def _truth_module():
+    # The adapter tests' ground-truth hooks and naive attention (tests/monitors/adapters).
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "monitors/adapters/test_adapters_megatron.py"
+    spec = importlib.util.spec_from_file_location("megatron_truth", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def _plant_inf(block: torch.nn.Module) -> None:
+    """Layer output element [0, 0, 0] becomes inf (a hook that runs before syncless's)."""
+
+    def hook(module, args, output):
+        hidden = output[0].clone()
+        hidden[0, 0, 0] = torch.inf
+        return (hidden, *output[1:])
+
+    block.register_forward_hook(hook)
+
+
+def _run_rank(rank: int, world: int, case: str) -> dict[str, Any]:
+    truth_lib = _truth_module()
+    parallel = {
+        "tp2": Parallel(tp=2),
+        "tp2-sp-moe": Parallel(tp=2),
+        "ep2": Parallel(ep=2),
+    }[case]
+    init_parallel(parallel)
+    experts = None if case == "tp2" else 4
+    config = gpt_config(layers=2, heads=4, query_groups=2, experts=experts, parallel=parallel)
+    torch.manual_seed(0)  # the same replicated weights on every rank
+    model = gpt_model(config)
+    if case == "tp2":
+        _plant_inf(model.decoder.layers[1])
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    truth = truth_lib.Truth(model)
+    handle = attach(model, build("all", optimizer=opt), lagged=False, budget=None)
+    # Tensor-parallel ranks share their input; expert-parallel ranks are data-parallel.
+    seed = 7 if case.startswith("tp") else 7 + rank
+    tokens, positions, labels, mask = batch(seed, seq=SEQ)
+    loss = model(tokens, positions, mask, labels=labels)
+    loss.float().mean().backward()
+    # Before the step: the planted inf makes every gradient NaN, and 0 * NaN is NaN.
+    squares = _squares(model)
+    opt.step()
+    records = {r.name: r.value for r in handle.step(0)}
+    readout = handle.readouts[-1]
+    handle.close()
+    out: dict[str, Any] = {"records": records, "heads": {}, "counts": {}, "absmax": {}}
+    out.update(squares)
+    for layer in range(2):
+        q, k = truth.qk[layer]
+        out["heads"][layer] = truth_lib.naive_attention(q, k, scale=0.25)
+        hidden = truth.outputs[layer]
+        finite = torch.where(hidden.isfinite(), hidden, 0.0)
+        out["absmax"][layer] = finite.abs().reshape(-1, hidden.shape[-1]).amax(0).numpy()
+        for name in ("attn_qk_logit_max", "attn_entropy_nats", "moe_tokens_count"):
+            key = f"monitors/layer_{layer:02d}/{name}"
+            if key in readout.values:
+                out[key] = readout.get(key)
+        if layer in truth.routing:
+            out["counts"][layer] = truth.routing[layer][1].sum(0).double().numpy()
+    return out
+
+
+def _squares(model: torch.nn.Module) -> dict[str, dict[int, float]]:
+    """Per layer: the sum of squares of all its parameters, of the replicated ones
+    (not tensor-parallel) and of the experts', on this rank."""
+
+    def total(block: torch.nn.Module, keep) -> float:
+        return float(sum(p.detach().double().square().sum() for p in block.parameters() if keep(p)))
+
+    blocks = list(model.decoder.layers)
+    return {
+        "sq": {i: total(b, lambda p: True) for i, b in enumerate(blocks)},
+        "replicated_sq": {
+            i: total(b, lambda p: not getattr(p, "tensor_model_parallel", False))
+            for i, b in enumerate(blocks)
+        },
+        "expert_sq": {
+            i: total(b, lambda p: getattr(p, "allreduce", True) is False)
+            for i, b in enumerate(blocks)
+        },
+    }
+
+
+def test_tensor_parallel_heads_are_recorded_under_their_global_index():
+    ranks = spawn_gloo(_run_rank, 2, "tp2", timeout_s=180)
+    zero = ranks[0]
+    for layer in range(2):
+        key = f"monitors/layer_{layer:02d}"
+        # Rank r holds heads 2r, 2r+1 of 4 (and kv group r of 2).
+        top = np.concatenate([ranks[r]["heads"][layer][0] for r in range(2)])
+        entropy = np.concatenate([ranks[r]["heads"][layer][1] for r in range(2)])
+        np.testing.assert_allclose(zero[f"{key}/attn_qk_logit_max"], top, rtol=1e-5)
+        np.testing.assert_allclose(zero[f"{key}/attn_entropy_nats"], entropy, rtol=1e-5)
+        # Without sequence parallelism both ranks hold the same output: counted once.
+        assert zero["records"][f"{key}/nonfinite_count"] == (1 if layer == 1 else 0)
+        np.testing.assert_allclose(ranks[1]["absmax"][layer], ranks[0]["absmax"][layer])
+    # Norms: tensor-parallel weights add their shards, the replicated norms count once.
+    for layer in range(2):
+        got = zero["records"][f"monitors/layer_{layer:02d}/param_norm"]
+        assert got**2 == pytest.approx(_tp_norm_sq(ranks, layer), rel=1e-6)
+
+
+def _tp_norm_sq(ranks: list[dict[str, Any]], layer: int) -> float:
+    """The full layer's sum of squares: the sharded parts of both ranks plus the
+    replicated ones once (the layernorm weights are the same on both ranks)."""
+    return sum(r["sq"][layer] for r in ranks) - ranks[1]["replicated_sq"][layer]
+
+
+def test_moe_under_tensor_and_sequence_parallelism_counts_every_rank_s_tokens():
+    ranks = spawn_gloo(_run_rank, 2, "tp2-sp-moe", timeout_s=180)
+    for layer in range(2):
+        counts = ranks[0]["counts"][layer] + ranks[1]["counts"][layer]
+        assert counts.sum() == 2 * SEQ * 2  # the sequence is split: each token once
+        np.testing.assert_array_equal(
+            ranks[0][f"monitors/layer_{layer:02d}/moe_tokens_count"], counts
+        )
+
+
+def test_expert_parallel_counts_and_norms_sum_over_the_ranks():
+    ranks = spawn_gloo(_run_rank, 2, "ep2", timeout_s=180)
+    zero = ranks[0]
+    for layer in range(2):
+        key = f"monitors/layer_{layer:02d}"
+        counts = ranks[0]["counts"][layer] + ranks[1]["counts"][layer]
+        assert counts.sum() == 2 * (2 * SEQ * 2)  # two data-parallel batches
+        np.testing.assert_array_equal(zero[f"{key}/moe_tokens_count"], counts)
+        imbalance = counts.max() / counts.mean()
+        assert zero["records"][f"{key}/moe_imbalance"] == pytest.approx(imbalance)
+        # Each rank holds 2 of the 4 experts; everything else is replicated.
+        shared = zero["sq"][layer] - zero["expert_sq"][layer]
+        want = shared + ranks[0]["expert_sq"][layer] + ranks[1]["expert_sq"][layer]
+        assert zero["records"][f"{key}/param_norm"] ** 2 == pytest.approx(want, rel=1e-6)
