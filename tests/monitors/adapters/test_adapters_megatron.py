@@ -142,7 +142,7 @@ def test_captured_q_and_k_are_the_rotated_projections_the_softmax_sees(world):
             captured[layer] = (q.clone(), k.clone())
 
         handles += site.attach_qk(keep)
-    tokens, positions, labels, mask = batch(1, seq=SEQ)
+    tokens, positions, _, mask = batch(1, seq=SEQ)
     with torch.no_grad():
         model(tokens, positions, mask)
     for h in handles:

@@ -1,0 +1,276 @@
+"""syncless in Megatron-core's training loop: monitors on the model chunks, profiler
+sections over the pipeline schedule, capture windows between pipeline communications.
+
+```python
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from syncless.integrations.megatron import SynclessMegatron
+
+syncless = SynclessMegatron(model_chunks, optimizer, profiler=prof, capture=engine)
+forward_backward = syncless.forward_backward(get_forward_backward_func())
+for iteration in range(iterations):
+    losses = forward_backward(forward_step_func=..., model=model_chunks, ...)
+    syncless.optimizer_step(optimizer)  # optimizer.step() in a profiler section
+    syncless.step(iteration)
+syncless.close()
+```
+
+Megatron's extension point is the model config's ``timers``: its schedules and
+``P2PCommunicator`` call ``config.timers(name).start()`` / ``.stop()`` around every
+forward and backward compute and every pipeline send and receive. ``SynclessMegatron``
+installs :class:`ScheduleTimers` there, which forwards each call to the timers that were
+there before (Megatron-LM's own keep logging) and
+
+- opens and closes a profiler section of the same name (``forward-compute``,
+  ``backward-recv``, ...: the pipeline's communications are ``collective`` sections);
+- publishes a capture boundary at the start and the end of each pipeline
+  communication, so the D2H windows are the compute between two communications.
+
+The data-parallel gradient reduce (``config.finalize_model_grads_func``) is timed by
+``Profiler.collective``, with its rendezvous/transfer split. Forward-only calls
+(validation) pause the monitors and suspend the capture engine: no window is published,
+nothing they flush counts against the training windows, and both resume after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from syncless.errors import UsageError
+from syncless.integrations.session import unwrap_optimizer
+from syncless.monitors import MonitorHandle, attach, build
+from syncless.monitors.budget import DEFAULT_BUDGET
+from syncless.run import Run, StepRecords
+
+# Megatron's timer names for pipeline communications all end in -send or -recv.
+_COMMUNICATION_SUFFIXES = ("-send", "-recv")
+
+
+def is_communication(name: str) -> bool:
+    """Whether Megatron's timer ``name`` times a pipeline send or receive."""
+    return name.endswith(_COMMUNICATION_SUFFIXES)
+
+
+class _Timer:
+    """One named timer: the previous timers' and the profiler section, side by side."""
+
+    __slots__ = ("inner", "name", "owner")
+
+    def __init__(self, owner: ScheduleTimers, name: str, inner: Any) -> None:
+        self.owner, self.name, self.inner = owner, name, inner
+
+    def start(self, barrier: bool = False) -> None:
+        if self.inner is not None:
+            self.inner.start(barrier=barrier)
+        self.owner.started(self.name)
+
+    def stop(self, barrier: bool = False) -> None:
+        self.owner.stopped(self.name)
+        if self.inner is not None:
+            self.inner.stop(barrier=barrier)
+
+    def __getattr__(self, attribute: str) -> Any:  # elapsed(), reset(), ... of the inner
+        return getattr(self.inner, attribute)
+
+
+class ScheduleTimers:
+    """A stand-in for Megatron's ``Timers`` on ``config.timers``.
+
+    ``inner``: the timers it replaces (``None``: Megatron's default). ``profiler``: a
+    ``syncless.profile.Profiler`` (its sections need an open step). ``capture``: a
+    ``syncless.capture.CaptureEngine`` whose boundaries the communications publish.
+    """
+
+    def __init__(self, inner: Any = None, profiler: Any = None, capture: Any = None) -> None:
+        self.inner, self.profiler, self.capture = inner, profiler, capture
+        self.publishing = False  # boundaries only during training iterations
+        self.boundaries = 0  # published since the last reset (the pattern's period)
+
+    def __call__(self, name: str, log_level: int | None = None, barrier: bool = False) -> _Timer:
+        inner = None
+        if self.inner is not None:
+            inner = self.inner(name, log_level=log_level, barrier=barrier)
+        return _Timer(self, name, inner)
+
+    def started(self, name: str) -> None:
+        if self.profiler is not None:
+            category = "collective" if is_communication(name) else "compute"
+            self.profiler.begin_section(name, category=category)
+        if is_communication(name):
+            self._boundary()
+
+    def stopped(self, name: str) -> None:
+        if is_communication(name):
+            self._boundary()
+        if self.profiler is not None:
+            self.profiler.end_section(name)
+
+    def _boundary(self) -> None:
+        if not self.publishing:
+            return
+        self.boundaries += 1
+        if self.capture is not None and self.capture.controller.pattern is not None:
+            self.capture.advance_boundary()
+
+    def __getattr__(self, attribute: str) -> Any:  # log(), write(), ... of the inner
+        if self.inner is None:
+            raise AttributeError(attribute)
+        return getattr(self.inner, attribute)
+
+
+def communication_windows(boundaries: int) -> Any:
+    """The windows of an iteration with ``boundaries`` communication edges (a start and
+    a stop each): from each communication's end to the next one's start, the last one
+    reaching the next iteration's first."""
+    from syncless.capture import WindowPattern
+
+    if boundaries < 2 or boundaries % 2:
+        raise UsageError(
+            f"a pipeline iteration published {boundaries} communication boundaries; "
+            "expected a start and a stop per send or receive (an even number >= 2)"
+        )
+    return WindowPattern(boundaries, [(b, b + 1) for b in range(1, boundaries, 2)])
+
+
+def model_config(chunks: Sequence[nn.Module]) -> Any:
+    """The ``TransformerConfig`` of the first chunk, under ``.module`` wrappers."""
+    module: Any = chunks[0]
+    for _ in range(4):
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "timers"):
+            return config
+        module = getattr(module, "module", None)
+    raise UsageError(
+        f"no Megatron TransformerConfig (.config with .timers) on {type(chunks[0]).__name__} "
+        "or the modules it wraps: pass Megatron-core model chunks"
+    )
+
+
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer whose ``step()`` updates the model's own parameters.
+
+    Megatron's ``FP32Optimizer`` wraps one (``.optimizer``); its ``Float16Optimizer``
+    and ``DistributedOptimizer`` step fp32 main copies (shards, for the latter) that are
+    not the model's parameters, so the norms monitor cannot map them to layers."""
+    if optimizer is None:
+        return None
+    inner = unwrap_optimizer(optimizer)
+    if inner is not None and not hasattr(optimizer, "model_float16_groups"):
+        if not hasattr(optimizer, "shard_fp32_from_float16_groups"):
+            return inner
+    raise UsageError(
+        f"{type(optimizer).__name__} steps fp32 main copies of the parameters, which the "
+        "norms monitor cannot map to layers yet: pass a torch optimizer over the model's "
+        "parameters, or leave norms out (monitors='attention,moe,activations,nonfinite')"
+    )
+
+
+class SynclessMegatron:
+    """The monitors, a profiler and a capture engine in a Megatron-core loop.
+
+    Args:
+        model: the model chunks (a list under virtual pipeline parallelism), as
+            ``get_model`` returns them, wrappers included.
+        optimizer: a torch optimizer or Megatron's ``FP32Optimizer`` (for the norms).
+        monitors: ``"all"`` or a comma list (``syncless.monitors.build``).
+        run: the run to record into (default: a new ``Run`` named ``megatron``).
+        budget: the share of the step the monitors may cost (``None``: fixed cadences).
+        profiler: a ``syncless.profile.Profiler``; ``step()`` closes its step.
+        capture: a ``syncless.capture.CaptureEngine``; its window pattern is learnt
+            from the first training iteration's pipeline communications.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Sequence[nn.Module],
+        optimizer: Any = None,
+        *,
+        monitors: str = "all",
+        run: Run | None = None,
+        budget: float | None = DEFAULT_BUDGET,
+        profiler: Any = None,
+        capture: Any = None,
+    ) -> None:
+        self.chunks = list(model) if isinstance(model, Sequence) else [model]
+        self.config = model_config(self.chunks)
+        self.run = run if run is not None else Run(name="megatron")
+        self._owns_run = run is None
+        self.profiler, self.capture = profiler, capture
+        built = build(monitors, optimizer=torch_optimizer(optimizer) if optimizer else None)
+        self.handle: MonitorHandle = attach(self.chunks, built, run=self.run, budget=budget)
+        self.timers = ScheduleTimers(self.config.timers, profiler, capture)
+        self.config.timers = self.timers
+        self._finalize = self.config.finalize_model_grads_func
+        if profiler is not None and self._finalize is not None:
+            self.config.finalize_model_grads_func = self._timed_finalize
+        self.iterations = 0
+        self.validations = 0
+        self._step_open = False  # a profiler step this object began
+
+    def _timed_finalize(self, *args: Any, **kwargs: Any) -> Any:
+        return self.profiler.collective("dp-grads-reduce", self._finalize, *args, **kwargs)
+
+    def forward_backward(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """``function`` (``get_forward_backward_func()``) with validation suspended and
+        the window pattern learnt at the first training iteration."""
+
+        def forward_backward(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("forward_only", False):
+                return self._validate(function, args, kwargs)
+            return self._train(function, args, kwargs)
+
+        return forward_backward
+
+    def _train(self, function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self.profiler is not None and not self._step_open:
+            self.profiler.begin_step(self.iterations)
+            self._step_open = True
+        self.timers.publishing = True
+        self.timers.boundaries = 0
+        try:
+            return function(*args, **kwargs)
+        finally:
+            self.timers.publishing = False
+            first = self.iterations == 0
+            self.iterations += 1
+            if first and self.capture is not None and self.timers.boundaries:
+                self.capture.define_pattern(communication_windows(self.timers.boundaries))
+
+    def _validate(self, function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        self.validations += 1
+        self.handle.pause()
+        if self.capture is not None:
+            self.capture.suspend()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            if self.capture is not None:
+                self.capture.resume()
+            self.handle.resume()
+
+    def optimizer_step(self, optimizer: Any) -> Any:
+        """``optimizer.step()`` in an ``optimizer`` profiler section; its result."""
+        if self.profiler is None:
+            return optimizer.step()
+        with self.profiler.section("optimizer"):
+            return optimizer.step()
+
+    def step(self, iteration: int) -> StepRecords:
+        """Once per training iteration, after the optimizer step; the monitors' records
+        read back by this call (``MonitorHandle.step``)."""
+        if self._step_open:
+            self.profiler.end_step()
+            self._step_open = False
+        return self.handle.step(iteration)
+
+    def close(self) -> None:
+        """Close the handle and put Megatron's timers back (and the run, if ours)."""
+        self.handle.close()
+        self.config.timers = self.timers.inner
+        if self._finalize is not None:
+            self.config.finalize_model_grads_func = self._finalize
+        if self._owns_run:
+            self.run.close()

@@ -1,0 +1,181 @@
+"""``SynclessMegatron`` in Megatron-core's own 1F1B pipeline schedule, 2 gloo ranks.
+
+Pipeline parallel 2 with 4 micro-batches: each stage holds 2 of the 4 layers. The
+loop trains, validates (``forward_only=True``) while captures overflow the capture
+engine's ring, then trains again. Checked against what the schedule did: the window
+pattern is one window after each pipeline communication, learnt in the first
+iteration; validation publishes no boundary and its capacity flushes leave the
+windows alive (three such flushes in training would end them: the bug this guards
+against); the monitors' records cover every stage's layers by Megatron's layer number;
+the profiler has the schedule's sections.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_harness import (  # noqa: E402
+    Parallel,
+    batch,
+    cuda_to_cpu,
+    gpt_config,
+    gpt_model,
+    init_parallel,
+)
+
+from syncless.capture import CaptureEngine, MemorySink  # noqa: E402
+from syncless.integrations.megatron import SynclessMegatron  # noqa: E402
+from syncless.profile import Profiler  # noqa: E402
+from syncless.run import Run  # noqa: E402
+from syncless.testing import spawn_gloo  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+SEQ, MICRO_BATCHES = 16, 4
+VALIDATION_RECORD = torch.zeros(1024)  # 4 KiB: the 8 KiB ring fills every other one
+
+
+class CountingTimers:
+    """Megatron's ``Timers`` as far as the schedule uses it: counts each name's starts.
+    The integration must chain to it (Megatron-LM's own timers keep working)."""
+
+    def __init__(self) -> None:
+        self.starts: dict[str, int] = {}
+
+    def __call__(self, name: str, log_level: int | None = None, barrier: bool = False):
+        timers = self
+
+        class Timer:
+            def start(self, barrier: bool = False) -> None:
+                timers.starts[name] = timers.starts.get(name, 0) + 1
+
+            def stop(self, barrier: bool = False) -> None:
+                pass
+
+        return Timer()
+
+    def communications(self) -> int:
+        return sum(n for name, n in self.starts.items() if name.endswith(("-send", "-recv")))
+
+
+def _loss(labels_mask: torch.Tensor, output: torch.Tensor):
+    loss = output.float().mean()
+    return loss, {"loss": loss.detach().clone()}
+
+
+def _forward_step(engine: CaptureEngine, tag: str, data_iterator, model):
+    tokens, positions, labels, mask = next(data_iterator)
+    if tag == "val":
+        engine.capture(tag, VALIDATION_RECORD)
+    else:
+        engine.capture(tag, tokens.float())
+    output = model(tokens, positions, mask, labels=labels)
+    return output, partial(_loss, mask)
+
+
+def _run_rank(rank: int, world: int, run_dir: str) -> dict[str, Any]:
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    parallel = Parallel(pp=2)
+    init_parallel(parallel)
+    counting = CountingTimers()
+    config = gpt_config(layers=4, parallel=parallel, batch_p2p_comm=False, timers=counting)
+    torch.manual_seed(rank)
+    model = gpt_model(
+        config,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = CaptureEngine(8 << 10, 4 << 10, MemorySink(), device="cpu")
+    profiler = Profiler(mode="events", report_every=1000)
+    syncless = SynclessMegatron(
+        [model], opt, run=Run(run_dir=run_dir), budget=None, profiler=profiler, capture=engine
+    )
+    forward_backward = syncless.forward_backward(get_forward_backward_func())
+    out: dict[str, Any] = {}
+    names: set[str] = set()
+
+    def iteration(tag: str, step: int, forward_only: bool = False) -> None:
+        data = iter([batch(step * 10 + i, seq=SEQ) for i in range(MICRO_BATCHES)])
+        forward_backward(
+            forward_step_func=partial(_forward_step, engine, tag),
+            data_iterator=data,
+            model=[model],
+            num_microbatches=MICRO_BATCHES,
+            seq_length=SEQ,
+            micro_batch_size=2,
+            forward_only=forward_only,
+        )
+
+    with cuda_to_cpu():
+        for step in range(3):
+            iteration("train", step)
+            if step == 0:
+                out["communications"] = counting.communications()
+            syncless.optimizer_step(opt)
+            names.update(r.name for r in syncless.step(step))
+        out["pattern"] = engine.controller.pattern
+        before = engine.counters()
+        with torch.no_grad():
+            iteration("val", 100, forward_only=True)
+        during = engine.counters()
+        for step in range(3, 6):
+            iteration("train", step)
+            syncless.optimizer_step(opt)
+            names.update(r.name for r in syncless.step(step))
+        report = profiler.report(5, force=True)
+    engine.flush()
+    after = engine.counters()
+    syncless.close()
+    engine.close()
+    out.update(
+        before=before,
+        during=during,
+        after=after,
+        fallback=engine.controller.fallback,
+        records=sorted(names),
+        sections=[row.name for row in report.rows],
+        timers_restored=config.timers is counting,
+        validations=syncless.validations,
+    )
+    return out
+
+
+def test_windows_survive_validation_and_every_stage_is_monitored(tmp_path):
+    ranks = spawn_gloo(_run_rank, 2, str(tmp_path / "run"), timeout_s=240)
+    for rank in ranks:
+        # A start and a stop per send or receive the schedule timed (its own count,
+        # through the timers the integration chains to); a window after each.
+        period = 2 * rank["communications"]
+        assert period >= 8  # 1F1B, 4 micro-batches: at least one per micro-batch
+        pattern = rank["pattern"]
+        assert pattern.period == period
+        assert [tuple(w) for w in pattern.windows] == [(b, b + 1) for b in range(1, period, 2)]
+        before, during, after = rank["before"], rank["during"], rank["after"]
+        # Validation published no boundary; its captures (twice the ring) went out by
+        # plain batching, not as capacity flushes against windows that never open
+        # (three of those would have ended the windows for good).
+        assert during["boundary_count"] == before["boundary_count"]
+        assert during["d2h_batch_bytes"] - before["d2h_batch_bytes"] >= 2 * 4096
+        assert during["flush_capacity_count"] == before["flush_capacity_count"]
+        assert not rank["fallback"]
+        # Training after it: 3 more iterations of boundaries, windows granted again.
+        assert after["boundary_count"] - during["boundary_count"] == 3 * period
+        grants = after["window_grants_count"] + after["window_missed_count"]
+        assert grants > during["window_grants_count"] + during["window_missed_count"]
+        assert rank["validations"] == 1 and rank["timers_restored"]
+        for section in ("forward-compute", "backward-compute", "forward-send", "backward-recv"):
+            assert section in rank["sections"]
+    names = ranks[0]["records"]
+    for layer in range(4):  # stage 0 holds layers 0-1, stage 1 layers 2-3
+        assert f"monitors/layer_{layer:02d}/act_absmax" in names
+        assert f"monitors/layer_{layer:02d}/attn_qk_logit_max" in names
+        assert f"monitors/layer_{layer:02d}/param_norm" in names
