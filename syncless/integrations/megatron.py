@@ -41,7 +41,7 @@ from torch import nn
 
 from syncless.errors import UsageError
 from syncless.integrations.session import unwrap_optimizer
-from syncless.monitors import MonitorHandle, attach, build
+from syncless.monitors import MonitorHandle, attach, build, parse_names
 from syncless.monitors.budget import DEFAULT_BUDGET
 from syncless.run import Run, StepRecords
 
@@ -149,22 +149,23 @@ def model_config(chunks: Sequence[nn.Module]) -> Any:
     )
 
 
-def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer whose ``step()`` updates the model's own parameters.
+def torch_optimizer(optimizer: Any, chunks: Sequence[nn.Module]) -> torch.optim.Optimizer:
+    """The torch optimizer whose ``step()`` updates the chunks' own parameters.
 
-    Megatron's ``FP32Optimizer`` wraps one (``.optimizer``); its ``Float16Optimizer``
+    Megatron's ``FP32Optimizer`` wraps one (``.optimizer``). Its ``Float16Optimizer``
     and ``DistributedOptimizer`` step fp32 main copies (shards, for the latter) that are
     not the model's parameters, so the norms monitor cannot map them to layers."""
-    if optimizer is None:
-        return None
     inner = unwrap_optimizer(optimizer)
-    if inner is not None and not hasattr(optimizer, "model_float16_groups"):
-        if not hasattr(optimizer, "shard_fp32_from_float16_groups"):
-            return inner
+    mine = {id(p) for chunk in chunks for p in chunk.parameters()}
+    if inner is not None and all(
+        id(p) in mine for group in inner.param_groups for p in group["params"]
+    ):
+        return inner
     raise UsageError(
-        f"{type(optimizer).__name__} steps fp32 main copies of the parameters, which the "
-        "norms monitor cannot map to layers yet: pass a torch optimizer over the model's "
-        "parameters, or leave norms out (monitors='attention,moe,activations,nonfinite')"
+        f"{type(optimizer).__name__} steps parameters that are not the model's (fp32 main "
+        "copies, or shards of them): the norms monitor cannot map them to layers. Pass a "
+        "torch optimizer over the model's parameters, or leave norms out "
+        "(monitors='attention,moe,activations,nonfinite')"
     )
 
 
@@ -199,7 +200,13 @@ class SynclessMegatron:
         self.run = run if run is not None else Run(name="megatron")
         self._owns_run = run is None
         self.profiler, self.capture = profiler, capture
-        built = build(monitors, optimizer=torch_optimizer(optimizer) if optimizer else None)
+        names = parse_names(monitors)
+        norms_optimizer = None
+        if "norms" in names and optimizer is not None:
+            norms_optimizer = torch_optimizer(optimizer, self.chunks)
+        elif "norms" in names:
+            raise UsageError("the norms monitor needs the optimizer: SynclessMegatron(model, opt)")
+        built = build(names, optimizer=norms_optimizer)
         self.handle: MonitorHandle = attach(self.chunks, built, run=self.run, budget=budget)
         self.timers = ScheduleTimers(self.config.timers, profiler, capture)
         self.config.timers = self.timers

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_harness import (  # noqa: E402
+from megatron_harness import (
     Parallel,
     batch,
     cuda_to_cpu,
@@ -29,11 +29,11 @@ from megatron_harness import (  # noqa: E402
     init_parallel,
 )
 
-from syncless.capture import CaptureEngine, MemorySink  # noqa: E402
-from syncless.integrations.megatron import SynclessMegatron  # noqa: E402
-from syncless.profile import Profiler  # noqa: E402
-from syncless.run import Run  # noqa: E402
-from syncless.testing import spawn_gloo  # noqa: E402
+from syncless.capture import CaptureEngine, MemorySink
+from syncless.integrations.megatron import SynclessMegatron
+from syncless.profile import Profiler
+from syncless.run import Run
+from syncless.testing import spawn_gloo
 
 pytestmark = pytest.mark.dist
 
