@@ -237,6 +237,8 @@ class Workload:
     flops: float
     experts: str
     build_s: float
+    loss: Callable[[], torch.Tensor] | None = None
+    """The step's loss, for models that are not Hugging Face's (bench/stack_models.py)."""
 
 
 def build_workload(spec: ModelSpec, device: torch.device) -> Workload:
@@ -284,6 +286,8 @@ def train_step(work: Workload, prof: Any = OFF, flush: Callable[[], None] | None
 
 
 def _loss(work: Workload) -> torch.Tensor:
+    if work.loss is not None:
+        return work.loss()
     if work.spec.family != "demo":
         return work.model(input_ids=work.ids, labels=work.ids).loss
     inputs, targets = work.ids[:, :-1], work.ids[:, 1:]

@@ -26,6 +26,7 @@ import gc
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 import transformers
 from hf_models import (
     ModelSpec,
+    Workload,
     bench_device,
     build_workload,
     count_syncs,
@@ -165,9 +167,16 @@ def summarize(
     return {"workload": workload, "rows": rows, "notes": notes, "off_ms": off_s * 1e3}
 
 
-def run_model(spec: ModelSpec, args: argparse.Namespace, device, deadline: float, matmul):
+def run_model(
+    spec: ModelSpec,
+    args: argparse.Namespace,
+    device,
+    deadline: float,
+    matmul,
+    build: Callable[[ModelSpec, Any], Workload] = build_workload,
+):
     """Build, warm up, measure and report one model; returns its JSON entry."""
-    work = build_workload(spec, device)
+    work = build(spec, device)
     print(f"\n{spec.name}: built in {work.build_s:.1f} s, experts {work.experts}")
     for _ in range(3):  # allocate, pick kernels: nothing attached
         train_step(work)
