@@ -86,6 +86,12 @@ def build_megatron(spec: ModelSpec, device: torch.device) -> Workload:
 
     if device.type != "cuda":  # Megatron's RNG tracker needs CUDA (tests use a CPU shim)
         raise SystemExit("megatron-gpt-moe runs on CUDA only; the CPU tests cover it")
+    from megatron.core.transformer.moe import moe_utils
+
+    # 0.16.1 defines te_general_gemm only when TransformerEngine imports, and its router
+    # reads it unconditionally: the one name the device image (no TE) needs.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     start = time.perf_counter()
     _init_world(device)
     if not parallel_state.model_parallel_is_initialized():

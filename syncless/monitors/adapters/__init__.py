@@ -35,11 +35,17 @@ from syncless.monitors.adapters.sites import (
     RoutingCallback,
     TensorCallback,
 )
+from syncless.monitors.adapters.torchtitan import (
+    TorchtitanAdapter,
+    TorchtitanAttentionSite,
+    TorchtitanRouterSite,
+)
 
 # Built-ins, most specific first: the demo's blocks would not match the HF layout and
 # vice versa, and MultiheadAttention (any model containing one) is the catch-all.
 for _adapter in (
     DemoAdapter(),
+    TorchtitanAdapter(),
     MegatronAdapter(),
     HFAdapter(),
     MultiheadAttentionAdapter(),
@@ -67,6 +73,9 @@ __all__ = [
     "RouterSite",
     "RoutingCallback",
     "TensorCallback",
+    "TorchtitanAdapter",
+    "TorchtitanAttentionSite",
+    "TorchtitanRouterSite",
     "find_layers",
     "register_adapter",
     "registered_adapters",
