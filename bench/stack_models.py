@@ -6,7 +6,7 @@ segments, its ``off`` / ``stack`` / ``profile`` modes, its table and RESULTS.md 
 only the models differ. Random weights, no download, one fixed batch.
 
 - ``megatron-gpt-moe``: megatron-core ``GPTModel``, local layer spec (TransformerEngine is
-  not on the device image), bf16 parameters, RoPE, 8 experts top-2 (``SequentialMLP``),
+  not on the device image), bf16 parameters under Megatron's ``Float16Module``, RoPE, 8 experts top-2 (``SequentialMLP``),
   the alltoall dispatcher, a torch fused AdamW; one rank (NCCL world of 1).
 - ``torchtitan-llama3`` / ``torchtitan-moe``: torchtitan's model classes built from
   their config dataclasses, SDPA attention, bf16 autocast over fp32 parameters.
@@ -116,6 +116,11 @@ def build_megatron(spec: ModelSpec, device: torch.device) -> Workload:
         config=config, transformer_layer_spec=layer_spec, vocab_size=spec.vocab,
         max_sequence_length=spec.seq_len, position_embedding_type="rope",
     ).to(device)  # fmt: skip
+    if bf16:  # as Megatron trains in bf16: its own wrapper, not autocast (its autograd
+        # Functions, the router's among them, do not follow autocast)
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
     g = torch.Generator().manual_seed(0)
@@ -126,8 +131,10 @@ def build_megatron(spec: ModelSpec, device: torch.device) -> Workload:
     def loss() -> torch.Tensor:
         return model(ids, positions, mask[None, None], labels=ids).float().mean()
 
-    layers = list(model.decoder.layers)
-    return _finish(spec, model, optimizer, params, ids, device, layers, loss, start)
+    layers = list((model.module if bf16 else model).decoder.layers)
+    work = _finish(spec, model, optimizer, params, ids, device, layers, loss, start)
+    work.bf16 = False  # no autocast: the parameters are bf16 already
+    return work
 
 
 def build_titan(spec: ModelSpec, device: torch.device) -> Workload:
