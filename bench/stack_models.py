@@ -40,7 +40,7 @@ from results import append_result
 from segments import stack_label
 
 MEGATRON = ModelSpec(name="megatron-gpt-moe", family="megatron", hidden=1024, heads=16,
-                     kv_heads=4, head_dim=64, intermediate=2816, layers=16, batch=4,
+                     kv_heads=4, head_dim=64, intermediate=2816, layers=16, batch=8,
                      seq_len=2048, experts=8, top_k=2)  # fmt: skip
 TITAN_LLAMA = ModelSpec(name="torchtitan-llama3", family="titan-llama3", hidden=2048,
                         heads=16, kv_heads=8, head_dim=128, intermediate=8192, layers=16,
