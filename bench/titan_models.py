@@ -12,22 +12,12 @@ from torch import nn
 
 def _without_fsdp_helpers() -> None:
     """torchtitan 0.3 imports ``torch.distributed.fsdp.DataParallelMeshDims`` (torch 2.12)
-    for its FSDP helpers, which a one-GPU bench never calls; the H200 image has torch
-    2.11. Stand in for that one module so the model classes import."""
-    import sys
-    import types
-
+    in its FSDP helpers, which a one-GPU bench never calls; the H200 image has torch
+    2.11. A placeholder class lets the model classes import."""
     import torch.distributed.fsdp as fsdp
 
-    if hasattr(fsdp, "DataParallelMeshDims") or "torchtitan.distributed.fsdp" in sys.modules:
-        return
-
-    def unavailable(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("torchtitan's FSDP helpers need torch >= 2.12")
-
-    stub = types.ModuleType("torchtitan.distributed.fsdp")
-    stub.apply_fsdp_to_decoder = unavailable  # type: ignore[attr-defined]
-    sys.modules[stub.__name__] = stub
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})  # type: ignore[attr-defined]
 
 
 def build_titan_model(spec: ModelSpec, device: torch.device) -> nn.Module:
