@@ -46,8 +46,8 @@ TITAN_LLAMA = ModelSpec(name="torchtitan-llama3", family="titan-llama3", hidden=
                         heads=16, kv_heads=8, head_dim=128, intermediate=8192, layers=16,
                         batch=4, seq_len=2048)  # fmt: skip
 TITAN_MOE = ModelSpec(name="torchtitan-moe", family="titan-moe", hidden=1024, heads=16,
-                      kv_heads=8, head_dim=64, intermediate=1408, layers=12, batch=4,
-                      seq_len=2048, experts=16, top_k=2)  # fmt: skip
+                      kv_heads=8, head_dim=64, intermediate=1408, layers=12, batch=8,
+                      seq_len=4096, experts=16, top_k=2)  # fmt: skip
 SPECS = {s.name: s for s in (MEGATRON, TITAN_LLAMA, TITAN_MOE)}
 
 
