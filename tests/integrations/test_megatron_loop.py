@@ -1,4 +1,5 @@
-"""``SynclessMegatron`` in Megatron-core's own 1F1B pipeline schedule, 2 gloo ranks.
+"""``SynclessMegatron`` in Megatron-core's own pipeline schedules, 2 gloo ranks: 1F1B,
+and interleaved 1F1B over virtual chunks (the last test).
 
 Pipeline parallel 2 with 4 micro-batches: each stage holds 2 of the 4 layers. The
 loop trains, validates (``forward_only=True``) while captures overflow the capture
@@ -15,6 +16,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -69,12 +71,10 @@ def _loss(labels_mask: torch.Tensor, output: torch.Tensor):
     return loss, {"loss": loss.detach().clone()}
 
 
-def _forward_step(engine: CaptureEngine, tag: str, data_iterator, model):
+def _forward_step(engine: CaptureEngine | None, tag: str, data_iterator, model):
     tokens, positions, labels, mask = next(data_iterator)
-    if tag == "val":
-        engine.capture(tag, VALIDATION_RECORD)
-    else:
-        engine.capture(tag, tokens.float())
+    if engine is not None:
+        engine.capture(tag, VALIDATION_RECORD if tag == "val" else tokens.float())
     output = model(tokens, positions, mask, labels=labels)
     return output, partial(_loss, mask)
 
@@ -179,3 +179,69 @@ def test_windows_survive_validation_and_every_stage_is_monitored(tmp_path):
         assert f"monitors/layer_{layer:02d}/act_absmax" in names
         assert f"monitors/layer_{layer:02d}/attn_qk_logit_max" in names
         assert f"monitors/layer_{layer:02d}/param_norm" in names
+
+
+def _run_virtual_rank(rank: int, world: int, run_dir: str) -> dict[str, Any]:
+    """Pipeline 2 x 2 virtual chunks, 4 layers: rank 0 holds layers 0 and 2, rank 1
+    layers 1 and 3, one chunk each; Megatron's interleaved 1F1B schedule."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    parallel = Parallel(pp=2, vpp=2)
+    init_parallel(parallel)
+    config = gpt_config(layers=4, parallel=parallel, batch_p2p_comm=False)
+    torch.manual_seed(rank)
+    chunks = [
+        gpt_model(
+            config,
+            vp_stage=i,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i),
+        )
+        for i in range(2)
+    ]
+    outputs: dict[int, torch.Tensor] = {}
+
+    def keep(module, args, output, layer: int) -> None:  # the test's own truth
+        hidden = output[0].detach().abs().reshape(-1, output[0].shape[-1]).amax(0)
+        outputs[layer] = torch.maximum(outputs.get(layer, hidden), hidden)
+
+    for chunk in chunks:
+        for block in chunk.decoder.layers:
+            block.register_forward_hook(partial(keep, layer=block.layer_number - 1))
+    opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=0.0)
+    syncless = SynclessMegatron(chunks, opt, run=Run(run_dir=run_dir), budget=None)
+    forward_backward = syncless.forward_backward(get_forward_backward_func())
+    names: dict[str, Any] = {}
+    with cuda_to_cpu():
+        data = [batch(i, seq=SEQ) for i in range(MICRO_BATCHES)]
+        forward_backward(
+            forward_step_func=partial(_forward_step, None, "train"),
+            data_iterator=[iter(data), iter(data)],
+            model=chunks,
+            num_microbatches=MICRO_BATCHES,
+            seq_length=SEQ,
+            micro_batch_size=2,
+        )
+        syncless.optimizer_step(opt)
+        syncless.step(0)
+    syncless.close()  # the last readout (step 0) lands here on the CPU
+    readout = syncless.handle.readouts[-1]
+    for layer in range(4):
+        key = f"monitors/layer_{layer:02d}/act_channel_absmax"
+        names[key] = readout.get(key)
+    return {
+        "layers": sorted(b.layer_number - 1 for c in chunks for b in c.decoder.layers),
+        "truth": {k: v.double().numpy() for k, v in outputs.items()},
+        "recorded": names,
+    }
+
+
+def test_virtual_pipeline_chunks_are_monitored_by_megatron_s_layer_numbers(tmp_path):
+    ranks = spawn_gloo(_run_virtual_rank, 2, str(tmp_path / "run"), timeout_s=240)
+    assert ranks[0]["layers"] == [0, 2] and ranks[1]["layers"] == [1, 3]
+    for layer in range(4):
+        owner = ranks[layer % 2]
+        want = owner["truth"][layer]  # the max over the micro-batches on its stage
+        got = ranks[0]["recorded"][f"monitors/layer_{layer:02d}/act_channel_absmax"]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
