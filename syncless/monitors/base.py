@@ -117,7 +117,7 @@ class MonitorContext:
 
         A site whose output is a copy another rank measures (``output_replica``) is not
         hooked: its counts would be summed once per copy."""
-        if site.output_replica:
+        if getattr(site, "output_replica", False):  # sites of adapters written before it
             return
         handles = site.attach_output(self.timed(monitor.name, record))
         monitor.output_records[site.index] = record

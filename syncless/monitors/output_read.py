@@ -71,7 +71,7 @@ def fuse_output_reads(ctx: MonitorContext, monitors: Sequence[Monitor]) -> Layer
     acts.share(shared, partner=nonf)  # nonfinite's own callback runs only without it
     ctx.batches.append(shared)
     for site in ctx.model.layers:
-        if site.output_replica:
+        if getattr(site, "output_replica", False):
             continue  # not hooked (MonitorContext.attach_output)
         for handle in acts.output_handles.pop(site.index) + nonf.output_handles.pop(site.index):
             handle.remove()
