@@ -4,8 +4,8 @@
 with an :class:`AttentionSite` (``attach_qk``: post-RoPE q and k as they enter the
 softmax), a :class:`RouterSite` for MoE layers (``attach_logits``) and the block itself
 (``attach_output``, ``parameters``). Built-in adapters, tried in this order: the
-syncless demo model, Megatron-core GPTModel (and its virtual-pipeline chunks), Hugging
-Face Llama/Mistral/Qwen2/Mixtral/Qwen2-MoE style models,
+syncless demo model, torchtitan's decoders, Megatron-core GPTModel (and its
+virtual-pipeline chunks), Hugging Face Llama/Mistral/Qwen2/Mixtral/Qwen2-MoE style models,
 ``torch.nn.MultiheadAttention``. Add your own with :func:`register_adapter`; see
 docs/adapters.md.
 """
