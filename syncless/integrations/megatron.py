@@ -43,6 +43,8 @@ from syncless.errors import UsageError
 from syncless.integrations.session import unwrap_optimizer
 from syncless.monitors import MonitorHandle, attach, build, parse_names
 from syncless.monitors.budget import DEFAULT_BUDGET
+from syncless.monitors.norms import NormsMonitor
+from syncless.monitors.norms_sharding import REPLICATED, Layout
 from syncless.run import Run, StepRecords
 
 # Megatron's timer names for pipeline communications all end in -send or -recv.
@@ -149,24 +151,83 @@ def model_config(chunks: Sequence[nn.Module]) -> Any:
     )
 
 
-def torch_optimizer(optimizer: Any, chunks: Sequence[nn.Module]) -> torch.optim.Optimizer:
-    """The torch optimizer whose ``step()`` updates the chunks' own parameters.
+def norms_optimizer(
+    optimizer: Any, chunks: Sequence[nn.Module]
+) -> tuple[torch.optim.Optimizer, dict[int, tuple[nn.Parameter, Layout]]]:
+    """The torch optimizer under Megatron's, and the copies of parameters it steps.
 
-    Megatron's ``FP32Optimizer`` wraps one (``.optimizer``). Its ``Float16Optimizer``
-    and ``DistributedOptimizer`` step fp32 main copies (shards, for the latter) that are
-    not the model's parameters, so the norms monitor cannot map them to layers."""
+    Megatron's ``FP32Optimizer`` steps the model's own parameters. Its
+    ``Float16OptimizerWithFloat16Params`` steps fp32 copies of them, and its
+    ``DistributedOptimizer`` fp32 shards of them, each data-parallel rank its own slice
+    (``model_float16_groups`` / ``shard_fp32_from_float16_groups`` and ``model_fp32_groups``
+    / ``shard_fp32_groups``, pairwise, in megatron-core 0.16). The norms monitor reads
+    the copies and counts each in its parameter's layer: a shard is summed over the
+    ranks, divided by the tensor-parallel ranks that hold the same slice (a weight
+    Megatron does not split by tensor parallelism)."""
+    if hasattr(optimizer, "chained_optimizers"):
+        raise UsageError(
+            "Megatron's ChainedOptimizer (dense and expert optimizers, under the "
+            "distributed optimizer with MoE) steps several torch optimizers; the norms "
+            "monitor hooks one. Leave norms out (monitors='attention,moe,activations,"
+            "nonfinite'), or attach NormsMonitor to one of optimizer.chained_optimizers"
+        )
     inner = unwrap_optimizer(optimizer)
+    if inner is None:
+        raise UsageError(
+            f"{type(optimizer).__name__} holds no torch.optim.Optimizer (.optimizer) for "
+            "the norms monitor to hook"
+        )
+    copies = main_param_copies(optimizer)
     mine = {id(p) for chunk in chunks for p in chunk.parameters()}
-    if inner is not None and all(
-        id(p) in mine for group in inner.param_groups for p in group["params"]
-    ):
-        return inner
-    raise UsageError(
-        f"{type(optimizer).__name__} steps parameters that are not the model's (fp32 main "
-        "copies, or shards of them): the norms monitor cannot map them to layers. Pass a "
-        "torch optimizer over the model's parameters, or leave norms out "
-        "(monitors='attention,moe,activations,nonfinite')"
-    )
+    stray = [
+        p for group in inner.param_groups for p in group["params"]
+        if id(p) not in mine and id(p) not in copies
+    ]  # fmt: skip
+    if stray:
+        raise UsageError(
+            f"{type(optimizer).__name__} steps {len(stray)} tensors that are neither the "
+            "model's parameters nor Megatron's main copies of them: the norms monitor "
+            "cannot map them to layers. Pass the optimizer Megatron built for these chunks"
+        )
+    return inner, copies
+
+
+def main_param_copies(optimizer: Any) -> dict[int, tuple[nn.Parameter, Layout]]:
+    """``id(copy) -> (model parameter, the copy's Layout)`` of a Megatron optimizer."""
+    from syncless.monitors.adapters.megatron import param_layout
+
+    def pairs(models: str, copies: str) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        model_groups, copy_groups = getattr(optimizer, models), getattr(optimizer, copies)
+        return [
+            (m, c)
+            for mg, cg in zip(model_groups, copy_groups, strict=True)
+            for m, c in zip(mg, cg, strict=True)
+            if c is not None
+        ]
+
+    out: dict[int, tuple[nn.Parameter, Layout]] = {}
+    if hasattr(optimizer, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
+        for model_param, shard in pairs(
+            "model_float16_groups", "shard_fp32_from_float16_groups"
+        ) + pairs("model_fp32_groups", "shard_fp32_groups"):
+            out[id(shard)] = (model_param, Layout(True, _shard_replicas(model_param)))
+    elif hasattr(optimizer, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+        for model_param, copy in pairs("float16_groups", "fp32_from_float16_groups"):
+            out[id(copy)] = (model_param, param_layout(model_param) or REPLICATED)
+    return out
+
+
+def _shard_replicas(model_param: nn.Parameter) -> int:
+    """Ranks holding the same distributed-optimizer shard of ``model_param``: the
+    tensor-parallel ranks when Megatron does not split it by tensor parallelism (norms,
+    routers); each slice is otherwise on one rank of its stage."""
+    from megatron.core import parallel_state
+
+    if getattr(model_param, "allreduce", True) is False:  # experts: (etp, ep, edp) mesh
+        return 1
+    if getattr(model_param, "tensor_model_parallel", False):
+        return 1
+    return parallel_state.get_tensor_model_parallel_world_size()
 
 
 class SynclessMegatron:
@@ -175,7 +236,9 @@ class SynclessMegatron:
     Args:
         model: the model chunks (a list under virtual pipeline parallelism), as
             ``get_model`` returns them, wrappers included.
-        optimizer: a torch optimizer or Megatron's ``FP32Optimizer`` (for the norms).
+        optimizer: a torch optimizer, or Megatron's (``FP32Optimizer``,
+            ``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``): the norms
+            read what it steps (docs/integrations.md).
         monitors: ``"all"`` or a comma list (``syncless.monitors.build``).
         run: the run to record into (default: a new ``Run`` named ``megatron``).
         budget: the share of the step the monitors may cost (``None``: fixed cadences).
@@ -200,13 +263,7 @@ class SynclessMegatron:
         self.run = run if run is not None else Run(name="megatron")
         self._owns_run = run is None
         self.profiler, self.capture = profiler, capture
-        names = parse_names(monitors)
-        norms_optimizer = None
-        if "norms" in names and optimizer is not None:
-            norms_optimizer = torch_optimizer(optimizer, self.chunks)
-        elif "norms" in names:
-            raise UsageError("the norms monitor needs the optimizer: SynclessMegatron(model, opt)")
-        built = build(names, optimizer=norms_optimizer)
+        built = self._monitors(parse_names(monitors), optimizer)
         self.handle: MonitorHandle = attach(self.chunks, built, run=self.run, budget=budget)
         self.timers = ScheduleTimers(self.config.timers, profiler, capture)
         self.config.timers = self.timers
@@ -216,6 +273,17 @@ class SynclessMegatron:
         self.iterations = 0
         self.validations = 0
         self._step_open = False  # a profiler step this object began
+
+    def _monitors(self, names: list[str], optimizer: Any) -> list[Any]:
+        if "norms" not in names:
+            return build(names)
+        if optimizer is None:
+            raise UsageError("the norms monitor needs the optimizer: SynclessMegatron(model, opt)")
+        inner, copies = norms_optimizer(optimizer, self.chunks)
+        norms = NormsMonitor(inner, main_params=copies)
+        rest = [n for n in names if n != "norms"]
+        others = iter(build(rest) if rest else [])
+        return [norms if n == "norms" else next(others) for n in names]
 
     def _timed_finalize(self, *args: Any, **kwargs: Any) -> Any:
         return self.profiler.collective("dp-grads-reduce", self._finalize, *args, **kwargs)

@@ -23,7 +23,7 @@ themselves (syncless.monitors.norms_sharding).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +105,10 @@ class NormsMonitor:
     - ``every``: measure on every N-th step (the handle sets ``active``).
     - ``update_ratio``: also measure ``||p_after - p_before|| / ||p_before||``; costs one
       transient copy of the monitored parameters on active steps.
+    - ``main_params``: for an optimizer that steps copies of the model's parameters
+      (Megatron's fp32 main parameters, or their data-parallel shards under its
+      distributed optimizer): ``id(copy) -> (the model parameter it stands for, the
+      copy's Layout across ranks)``. The copy is measured in that parameter's layer.
     - ``is_sharded(name) -> bool``: which *plain* tensors differ across ranks (default:
       none), such as expert-parallel experts. DTensors (FSDP2, tensor parallel) and
       FSDP1's parameters say it themselves (syncless.monitors.norms_sharding) and are not
@@ -123,6 +127,7 @@ class NormsMonitor:
         update_ratio: bool = True,
         is_sharded: Callable[[str], bool] | None = None,
         model: nn.Module | None = None,
+        main_params: Mapping[int, tuple[nn.Parameter, Layout]] | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -135,6 +140,7 @@ class NormsMonitor:
         self.update_ratio = update_ratio
         self.is_sharded = is_sharded or _nothing_sharded
         self.model = model
+        self.main_params = dict(main_params or {})
         self._groups: list[_Group] = []
         self._buckets: list[list[nn.Parameter]] = []  # one per dtype, for foreach fast paths
         self._dtensors: list[bool] = []  # per bucket: its parameters are DTensors
@@ -175,6 +181,7 @@ class NormsMonitor:
             self.is_sharded,
             self._names(ctx),
             ctx.model.param_layout,
+            self.main_params,
         )
         quantities = QUANTITIES if self.update_ratio else QUANTITIES[:2]
         slots: dict[tuple[int, bool], dict[str, Slot]] = {}

@@ -129,6 +129,7 @@ def find_members(
     is_sharded: Callable[[str], bool],
     names: dict[int, str],
     model_layout: Callable[[torch.Tensor], Layout | None] | None = None,
+    main_params: dict[int, tuple[nn.Parameter, Layout]] | None = None,
 ) -> tuple[list[Member], int]:
     """The tensors of ``params`` (the optimizer's) that belong to the mapped layers
     ``sites``, each with its layer and layout, and how many parameters lie outside every
@@ -159,6 +160,14 @@ def find_members(
                 continue
             views = [Member(p, layer, layout, (x.offset, x.numel)) for layer, x in pieces]
             members += [m for m in views if m.layer is not None]
+            continue
+        if main_params and id(p) in main_params:  # a copy the optimizer steps instead
+            model_param, copy_layout = main_params[id(p)]
+            layer = layer_of.get(id(model_param))
+            if layer is None:
+                outside += 1
+            else:
+                members.append(Member(p, layer, copy_layout))
             continue
         layer = layer_of.get(id(p))
         if layer is None:

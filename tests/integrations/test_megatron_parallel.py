@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("megatron.core")
 
@@ -171,3 +172,107 @@ def test_expert_parallel_counts_and_norms_sum_over_the_ranks():
         shared = zero["sq"][layer] - zero["expert_sq"][layer]
         want = shared + ranks[0]["expert_sq"][layer] + ranks[1]["expert_sq"][layer]
         assert zero["records"][f"{key}/param_norm"] ** 2 == pytest.approx(want, rel=1e-6)
+
+
+class DistributedOptimizerLike:
+    """What megatron-core 0.16's ``DistributedOptimizer`` keeps, on the CPU (the real one
+    refuses tensors that are not ``torch.cuda.*Tensor``): per model parameter an fp32
+    shard of its flattened elements, this data-parallel rank's slice, which a torch
+    optimizer steps; gradients copied into the shards before the step, as Megatron does
+    after its reduce-scatter (here an all-reduce, then the slice)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], dp_rank: int, dp_size: int) -> None:
+        self.model_float16_groups: list[list] = [[]]
+        self.shard_fp32_from_float16_groups: list[list] = [[]]
+        self.model_fp32_groups = [list(params)]
+        self.ranges = []
+        shards = []
+        for p in params:
+            n = p.numel()
+            start, end = n * dp_rank // dp_size, n * (dp_rank + 1) // dp_size
+            self.ranges.append((start, end))
+            shards.append(p.detach().view(-1)[start:end].clone().float().requires_grad_())
+        self.shard_fp32_groups = [shards]
+        self.optimizer = torch.optim.SGD(shards, lr=0.0)
+
+    def step(self) -> None:
+        for p, shard, (start, end) in zip(
+            self.model_fp32_groups[0], self.shard_fp32_groups[0], self.ranges, strict=True
+        ):
+            shard.grad = p.grad.view(-1)[start:end].float()
+        self.optimizer.step()
+
+
+def _run_distributed_optimizer(rank: int, world: int, case: str) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    from syncless.integrations.megatron import SynclessMegatron
+
+    parallel = Parallel(tp=2) if case == "tp2" else Parallel()
+    init_parallel(parallel)
+    torch.manual_seed(0)
+    model = gpt_model(gpt_config(layers=2, heads=4, query_groups=2, parallel=parallel))
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    optimizer = DistributedOptimizerLike(list(model.parameters()), dp_rank, dp_size)
+    syncless = SynclessMegatron(model, optimizer, monitors="norms", budget=None, run=None)
+    tokens, positions, labels, mask = batch(11 + dp_rank, seq=SEQ)
+    model(tokens, positions, mask, labels=labels).float().mean().backward()
+    for p in model.parameters():  # the data-parallel gradient average
+        dist.all_reduce(p.grad, group=parallel_state.get_data_parallel_group())
+        p.grad /= dp_size
+    squares = _squares(model)
+    grad_sq = {
+        i: float(sum(p.grad.double().square().sum() for p in b.parameters()))
+        for i, b in enumerate(model.decoder.layers)
+    }
+    replicated_grad_sq = {
+        i: float(
+            sum(
+                p.grad.double().square().sum()
+                for p in b.parameters()
+                if not getattr(p, "tensor_model_parallel", False)
+            )
+        )
+        for i, b in enumerate(model.decoder.layers)
+    }
+    syncless.optimizer_step(optimizer)
+    syncless.step(0)
+    syncless.close()
+    records = {r.name: r.value for r in syncless.handle.last_records}
+    syncless.run.close()
+    return {**squares, "grad_sq": grad_sq, "replicated_grad_sq": replicated_grad_sq,
+            "records": records}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["dp2", "tp2"])
+def test_norms_of_the_full_parameters_from_distributed_optimizer_shards(case):
+    ranks = spawn_gloo(_run_distributed_optimizer, 2, case, timeout_s=180)
+    zero = ranks[0]
+    for layer in range(2):
+        key = f"monitors/layer_{layer:02d}"
+        if case == "dp2":  # both ranks hold the whole model; the shards split it
+            param_sq, grad_sq = zero["sq"][layer], zero["grad_sq"][layer]
+        else:  # tensor-parallel parts add up, the replicated ones count once
+            param_sq = _tp_norm_sq(ranks, layer)
+            grad_sq = (
+                sum(r["grad_sq"][layer] for r in ranks) - ranks[1]["replicated_grad_sq"][layer]
+            )
+        assert zero["records"][f"{key}/param_norm"] ** 2 == pytest.approx(param_sq, rel=1e-6)
+        assert zero["records"][f"{key}/grad_norm"] ** 2 == pytest.approx(grad_sq, rel=1e-6)
+
+
+def test_the_attributes_read_are_megatron_s_own():
+    """The names main_param_copies reads are the ones megatron-core's optimizers set."""
+    import inspect
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    source = inspect.getsource(DistributedOptimizer)
+    for name in ("model_float16_groups", "shard_fp32_from_float16_groups",
+                 "model_fp32_groups", "shard_fp32_groups"):  # fmt: skip
+        assert f"self.{name} = " in source or f"self.{name}," in source, name
+    source = inspect.getsource(Float16OptimizerWithFloat16Params)
+    for name in ("float16_groups", "fp32_from_float16_groups"):
+        assert f"self.{name}" in source, name
