@@ -1,8 +1,11 @@
-"""On a GPU: the attention monitor's Triton kernel on Megatron's q/k (views of
-``[s, b, heads, d]`` tensors, permuted) against a float64 softmax of the same tensors.
+"""On a GPU, two checks of syncless inside Megatron-core that the CPU tests cannot make:
 
-The CPU tests check the adapter against an independent recount through the torch path;
-the kernel only runs on CUDA, so this checks it on the layout Megatron hands over.
+1. the attention monitor's Triton kernel on Megatron's q/k (views of ``[s, b, heads,
+   d]`` tensors, permuted) against a float64 softmax of the same tensors (the kernel
+   only runs on CUDA);
+2. the norms under Megatron's real ``DistributedOptimizer`` (it refuses CPU tensors):
+   ``param_norm`` and ``grad_norm`` per layer against the model's own bf16 parameters
+   and ``main_grad`` buffers.
 
     python bench/megatron_check.py
 """
@@ -28,7 +31,7 @@ def naive(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor,
     return logits.amax(dim=(0, 2, 3)), entropy.mean(dim=(0, 2))
 
 
-def main() -> None:
+def check_attention() -> None:
     spec = replace(MEGATRON, layers=2, batch=2, seq_len=1024)
     work = build_megatron(spec, torch.device("cuda"))
     captured = {}
@@ -59,5 +62,57 @@ def main() -> None:
     assert worst < 2e-2, worst
 
 
+def check_distributed_optimizer() -> None:
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from syncless.integrations.megatron import SynclessMegatron
+
+    spec = replace(MEGATRON, layers=2, batch=2, seq_len=512, experts=0, top_k=0)
+    work = build_megatron(spec, torch.device("cuda"))
+    gpt = work.model.module  # under Float16Module
+    ddp = DistributedDataParallel(
+        config=gpt.config,
+        ddp_config=DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True
+        ),
+        module=work.model,
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=0.0, bf16=True, use_distributed_optimizer=True),
+        [ddp],
+    )
+    print(f"optimizer: {type(optimizer).__name__}")
+    syncless = SynclessMegatron([ddp], optimizer, monitors="norms", budget=None)
+    ddp.zero_grad_buffer()
+    work.loss().backward()
+    gpt.config.finalize_model_grads_func = finalize_model_grads
+    finalize_model_grads([ddp])
+    want = {}
+    for i, block in enumerate(gpt.decoder.layers):
+        params = list(block.parameters())
+        want[i] = (
+            float(sum(p.detach().double().square().sum() for p in params)) ** 0.5,
+            float(sum(p.main_grad.double().square().sum() for p in params)) ** 0.5,
+        )
+    syncless.optimizer_step(optimizer)
+    syncless.step(0)
+    syncless.close()
+    got = {r.name: r.value for r in syncless.handle.last_records}
+    for i, (param, grad) in want.items():
+        key = f"monitors/layer_{i:02d}"
+        p_err = abs(got[f"{key}/param_norm"] / param - 1)
+        g_err = abs(got[f"{key}/grad_norm"] / grad - 1)
+        print(f"layer {i}: param_norm {got[f'{key}/param_norm']:.6g} vs {param:.6g} "
+              f"({p_err:.1e}), grad_norm {got[f'{key}/grad_norm']:.6g} vs {grad:.6g} "
+              f"({g_err:.1e})")  # fmt: skip
+        assert p_err < 1e-5 and g_err < 1e-5, (p_err, g_err)
+
+
 if __name__ == "__main__":
-    main()
+    check_attention()
+    check_distributed_optimizer()
