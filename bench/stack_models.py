@@ -99,23 +99,25 @@ def build_megatron(spec: ModelSpec, device: torch.device) -> Workload:
         parallel_state.initialize_model_parallel()
         tensor_parallel.model_parallel_cuda_manual_seed(0)
     bf16 = device.type == "cuda"
-    config = TransformerConfig(
-        num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
-        num_query_groups=spec.kv_heads, kv_channels=spec.head_dim,
-        ffn_hidden_size=spec.intermediate, num_moe_experts=spec.experts,
-        moe_router_topk=spec.top_k, moe_ffn_hidden_size=spec.intermediate,
-        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2,
+    moe = dict(
+        num_moe_experts=spec.experts, moe_router_topk=spec.top_k,
+        moe_ffn_hidden_size=spec.intermediate, moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss",
         # Dropping and padding to capacity: the dispatcher then needs no D2H read of the
         # token counts per layer (33 syncs a step without it, 7% MFU: host-bound).
         moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True,
-        moe_router_load_balancing_type="aux_loss", add_bias_linear=False,
+    ) if spec.experts else {}  # fmt: skip
+    config = TransformerConfig(
+        num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
+        num_query_groups=spec.kv_heads, kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.intermediate, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, use_cpu_initialization=False,
+        gradient_accumulation_fusion=False, use_cpu_initialization=False, **moe,
     )  # fmt: skip
-    layer_spec = get_gpt_layer_local_spec(num_experts=spec.experts, moe_grouped_gemm=False)
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.experts or None, moe_grouped_gemm=False)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=spec.vocab,
         max_sequence_length=spec.seq_len, position_embedding_type="rope",
