@@ -164,13 +164,16 @@ def norms_optimizer(
     the copies and counts each in its parameter's layer: a shard is summed over the
     ranks, divided by the tensor-parallel ranks that hold the same slice (a weight
     Megatron does not split by tensor parallelism)."""
-    if hasattr(optimizer, "chained_optimizers"):
-        raise UsageError(
-            "Megatron's ChainedOptimizer (dense and expert optimizers, under the "
-            "distributed optimizer with MoE) steps several torch optimizers; the norms "
-            "monitor hooks one. Leave norms out (monitors='attention,moe,activations,"
-            "nonfinite'), or attach NormsMonitor to one of optimizer.chained_optimizers"
-        )
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:  # get_megatron_optimizer always chains, one or more
+        if len(chained) != 1:
+            raise UsageError(
+                f"Megatron's ChainedOptimizer holds {len(chained)} optimizers (a dense "
+                "and an expert one, under the distributed optimizer with MoE); the norms "
+                "monitor hooks one. Leave norms out (monitors='attention,moe,activations,"
+                "nonfinite'), or attach a NormsMonitor to one of its chained_optimizers"
+            )
+        optimizer = chained[0]
     inner = unwrap_optimizer(optimizer)
     if inner is None:
         raise UsageError(
