@@ -83,7 +83,11 @@ def check_distributed_optimizer() -> None:
         module=work.model,
     )
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=0.0, bf16=True, use_distributed_optimizer=True),
+        # No clipping: the monitor reads gradients as the inner optimizer gets them,
+        # after Megatron's clip (its default clip_grad=1.0 scaled them by 0.27 here).
+        OptimizerConfig(
+            optimizer="adam", lr=0.0, bf16=True, use_distributed_optimizer=True, clip_grad=0.0
+        ),
         [ddp],
     )
     print(f"optimizer: {type(optimizer).__name__}")
