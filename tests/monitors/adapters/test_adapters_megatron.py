@@ -213,3 +213,26 @@ def test_the_router_wrapper_is_removed_with_the_hooks(world):
     handle.close()
     assert "gating" not in router.__dict__
     assert router.gating.__func__ is type(router).gating
+
+
+def test_the_transformer_engine_spec_maps_as_the_local_one(world):
+    pytest.importorskip(
+        "transformer_engine",
+        reason="TransformerEngine is not installed (it needs CUDA and builds against it; "
+        "neither the CPU machines nor the H200 image have it): the TE layer spec is "
+        "mapped by the same attributes, untested here",
+    )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    config = gpt_config(layers=2, heads=4, query_groups=2)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
+        vocab_size=128,
+        max_sequence_length=SEQ,
+    )
+    mapped = find_layers(model)
+    assert mapped.adapter == MegatronAdapter.name and [s.index for s in mapped] == [0, 1]
+    site = mapped.layers[0].attention
+    assert (site.n_heads, site.n_kv_heads, site.head_dim) == (4, 2, 16)
