@@ -236,3 +236,21 @@ def test_the_transformer_engine_spec_maps_as_the_local_one(world):
     assert mapped.adapter == MegatronAdapter.name and [s.index for s in mapped] == [0, 1]
     site = mapped.layers[0].attention
     assert (site.n_heads, site.n_kv_heads, site.head_dim) == (4, 2, 16)
+
+
+def test_grouped_gemm_experts_count_as_the_sequential_ones(world):
+    pytest.importorskip(
+        "grouped_gemm",
+        reason="Megatron's grouped experts need the grouped_gemm package (CUDA only, built "
+        "from source) or TransformerEngine: the router and its routing map, which the "
+        "MoE monitor reads, are the same module as with sequential experts",
+    )
+    model = gpt_model(gpt_config(layers=1, experts=4, moe_grouped_gemm=True))
+    truth = Truth(model)
+    handle = attach(model, build("moe"), lagged=False, budget=None)
+    _train_step(model, seed=3)
+    readout = handle.step(0) and handle.readouts[-1]
+    handle.close()
+    truth.remove()
+    counts = truth.routing[0][1].sum(dim=0).double().numpy()
+    np.testing.assert_array_equal(readout.get("monitors/layer_00/moe_tokens_count"), counts)
