@@ -5,13 +5,13 @@ sections over the pipeline schedule, capture windows between pipeline communicat
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from syncless.integrations.megatron import SynclessMegatron
 
-syncless = SynclessMegatron(model_chunks, optimizer, profiler=prof, capture=engine)
-forward_backward = syncless.forward_backward(get_forward_backward_func())
+observer = SynclessMegatron(model_chunks, optimizer, profiler=prof, capture=engine)
+forward_backward = observer.forward_backward(get_forward_backward_func())
 for iteration in range(iterations):
     losses = forward_backward(forward_step_func=..., model=model_chunks, ...)
-    syncless.optimizer_step(optimizer)  # optimizer.step() in a profiler section
-    syncless.step(iteration)
-syncless.close()
+    observer.optimizer_step(optimizer)  # optimizer.step() in a profiler section
+    observer.step(iteration)
+observer.close()
 ```
 
 Megatron's extension point is the model config's ``timers``: its schedules and
