@@ -42,6 +42,7 @@ from torch import nn
 from syncless.errors import UsageError
 from syncless.integrations.session import unwrap_optimizer
 from syncless.monitors import MonitorHandle, attach, build, parse_names
+from syncless.monitors.adapters.megatron import find_gpt, param_layout
 from syncless.monitors.budget import DEFAULT_BUDGET
 from syncless.monitors.norms import NormsMonitor
 from syncless.monitors.norms_sharding import REPLICATED, Layout
@@ -88,8 +89,10 @@ class ScheduleTimers:
 
     def __init__(self, inner: Any = None, profiler: Any = None, capture: Any = None) -> None:
         self.inner, self.profiler, self.capture = inner, profiler, capture
-        self.publishing = False  # boundaries only during training iterations
-        self.boundaries = 0  # published since the last reset (the pattern's period)
+        # Inside a training iteration: sections and boundaries only then (a validation
+        # pass has no profiler step open, and publishes no windows).
+        self.training = False
+        self.boundaries = 0  # communication edges this iteration (the pattern's period)
 
     def __call__(self, name: str, log_level: int | None = None, barrier: bool = False) -> _Timer:
         inner = None
@@ -98,6 +101,8 @@ class ScheduleTimers:
         return _Timer(self, name, inner)
 
     def started(self, name: str) -> None:
+        if not self.training:
+            return
         if self.profiler is not None:
             category = "collective" if is_communication(name) else "compute"
             self.profiler.begin_section(name, category=category)
@@ -105,14 +110,14 @@ class ScheduleTimers:
             self._boundary()
 
     def stopped(self, name: str) -> None:
+        if not self.training:
+            return
         if is_communication(name):
             self._boundary()
         if self.profiler is not None:
             self.profiler.end_section(name)
 
     def _boundary(self) -> None:
-        if not self.publishing:
-            return
         self.boundaries += 1
         if self.capture is not None and self.capture.controller.pattern is not None:
             self.capture.advance_boundary()
@@ -139,16 +144,14 @@ def communication_windows(boundaries: int) -> Any:
 
 def model_config(chunks: Sequence[nn.Module]) -> Any:
     """The ``TransformerConfig`` of the first chunk, under ``.module`` wrappers."""
-    module: Any = chunks[0]
-    for _ in range(4):
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "timers"):
-            return config
-        module = getattr(module, "module", None)
-    raise UsageError(
-        f"no Megatron TransformerConfig (.config with .timers) on {type(chunks[0]).__name__} "
-        "or the modules it wraps: pass Megatron-core model chunks"
-    )
+    gpt = find_gpt(chunks[0])
+    if gpt is None or not hasattr(gpt.config, "timers"):
+        raise UsageError(
+            f"no Megatron-core GPTModel with a TransformerConfig in "
+            f"{type(chunks[0]).__name__} or the modules it wraps: pass the model chunks "
+            "Megatron's get_model returns"
+        )
+    return gpt.config
 
 
 def norms_optimizer(
@@ -197,7 +200,6 @@ def norms_optimizer(
 
 def main_param_copies(optimizer: Any) -> dict[int, tuple[nn.Parameter, Layout]]:
     """``id(copy) -> (model parameter, the copy's Layout)`` of a Megatron optimizer."""
-    from syncless.monitors.adapters.megatron import param_layout
 
     def pairs(models: str, copies: str) -> list[tuple[nn.Parameter, torch.Tensor]]:
         model_groups, copy_groups = getattr(optimizer, models), getattr(optimizer, copies)
@@ -306,12 +308,12 @@ class SynclessMegatron:
         if self.profiler is not None and not self._step_open:
             self.profiler.begin_step(self.iterations)
             self._step_open = True
-        self.timers.publishing = True
+        self.timers.training = True
         self.timers.boundaries = 0
         try:
             return function(*args, **kwargs)
         finally:
-            self.timers.publishing = False
+            self.timers.training = False
             first = self.iterations == 0
             self.iterations += 1
             if first and self.capture is not None and self.timers.boundaries:

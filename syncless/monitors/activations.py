@@ -91,13 +91,11 @@ class ActivationsMonitor:
         groups: dict[int, SlotGroup] = {}
         for site in ctx.model.layers:
             slot = self._slots[site.index]
-            column = Column(slot)
-            if self.channel_shard is not None:
+            if self.channel_shard is not None:  # this rank's slice of the channels
                 rank, world = self.channel_shard
                 width = slot.spec.size // world
-                column = Column(slot, width=width, start=rank * width)
-                slot = _ShardedSlot(slot, rank * width, width)
-            groups[site.index] = SlotGroup(ctx.metrics, [column])
+                slot = slot.narrow(rank * width, width)
+            groups[site.index] = SlotGroup(ctx.metrics, [Column(slot)])
             ctx.attach_output(self, site, self._make_output_hook(site.index, slot, groups))
         if self.launch == "grouped" and self.channel_shard is None and self._layers:
             self._batch = LayerBatch(
@@ -179,18 +177,3 @@ def _row_medians(x: np.ndarray) -> np.ndarray:
         median = (part[:, k - 1] + part[:, k]) / 2
     median[np.isnan(x).any(axis=1)] = np.nan
     return median
-
-
-class _ShardedSlot:
-    """Writes a channel shard into its slice of the full-width max vector."""
-
-    def __init__(self, slot: Slot, start: int, width: int) -> None:
-        self.slot, self.start, self.width = slot, start, width
-
-    @hot_path
-    def update(self, value: torch.Tensor) -> None:
-        full = torch.full(
-            (self.slot.spec.size,), -torch.inf, dtype=value.dtype, device=value.device
-        )
-        full[self.start : self.start + self.width] = value
-        self.slot.update(full)

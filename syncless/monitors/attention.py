@@ -111,9 +111,13 @@ class AttentionMonitor:
         for site in ctx.model.attention:
             recorder = self._recorders[site.layer]
             recorder.frac = self._frac
-            recorder.logit_max = recorder.logit_max_full.narrow(site.head_offset, site.n_heads)
-            recorder.entropy = recorder.entropy_full.narrow(site.head_offset, site.n_heads)
-            recorder.group = SlotGroup(ctx.metrics, [*recorder.head_columns(), Column(self._frac)])
+            # This rank's heads: its slice of the layer's (all of them without TP).
+            recorder.logit_max = recorder.logit_max.narrow(site.head_offset, site.n_heads)
+            recorder.entropy = recorder.entropy.narrow(site.head_offset, site.n_heads)
+            recorder.group = SlotGroup(
+                ctx.metrics,
+                [Column(recorder.logit_max), Column(recorder.entropy), Column(self._frac)],
+            )
             ctx.handles += site.attach_qk_rotary(ctx.timed(self.name, recorder.record))
         recorders = [self._recorders[site.layer] for site in ctx.model.attention]
         if self.launch == "grouped" and len({r.statics for r in recorders}) == 1:
@@ -152,7 +156,11 @@ class AttentionMonitor:
 
         # Each layer's 2H + 1 columns: its max logits and entropy sums are folded; its
         # rows-used column is not (the shared fraction is updated once, above).
-        columns = [c for r in recorders for c in (*r.head_columns(), Column(None, width=1))]
+        columns = [
+            c
+            for r in recorders
+            for c in (Column(r.logit_max), Column(r.entropy), Column(None, width=1))
+        ]
         return LayerBatch(
             [r.layer for r in recorders],
             SlotGroup(ctx.metrics, columns),
@@ -268,11 +276,7 @@ class _LayerRecorder:
         # The site hands q/k before their rotation (attach_qk_rotary): the grouped
         # launch then takes (q, k, cos, sin) per layer.
         self.rotary_inputs = bool(getattr(site, "rotate_half", False))
-        # This rank's heads within the layer's (all of them without tensor parallelism).
-        self.head_offset = site.head_offset
-        self.logit_max_full, self.entropy_full = logit_max, entropy
-        # This rank's slices of them, once allocated (attach).
-        self.logit_max, self.entropy = logit_max, entropy
+        self.logit_max, self.entropy = logit_max, entropy  # narrowed to the rank's heads at attach
         self.frac: Slot | None = None
         self.group: SlotGroup | None = None  # the fused path's fold targets (attach)
         self.sampled_calls = 0  # rotates the sampling phase; host int, no device state
@@ -323,14 +327,6 @@ class _LayerRecorder:
         self.entropy.add(entropy_sum, count=seen)
         assert self.frac is not None, "attach() sets the sampled-fraction slot"
         self.frac.add(used, count=seen)
-
-    def head_columns(self) -> tuple[Column, Column]:
-        """The fold targets of this rank's heads: max logits, then entropy sums."""
-        start, width = self.head_offset, self.n_heads
-        return (
-            Column(self.logit_max_full, width=width, start=start),
-            Column(self.entropy_full, width=width, start=start),
-        )
 
     @property
     def statics(self) -> tuple:

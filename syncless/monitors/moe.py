@@ -269,14 +269,14 @@ class MoEMonitor:
         self._groups = _width_groups(ctx.metrics.layer_specs(AREA, TOKENS), self.dead_window)
         groups: dict[int, SlotGroup] = {}
         for layer in self._layers:
-            one = torch.ones((), dtype=torch.float64, device=buffer.device)
             groups[layer.site.layer] = group = SlotGroup(
                 ctx.metrics, [Column(layer.tokens), Column(layer.zloss), Column(layer.mass)]
             )
             if layer.site.routing_map:
-                hook = ctx.timed(self.name, self._make_routing_hook(layer))
+                hook = ctx.timed(self.name, self._make_routing_hook(layer, group))
                 ctx.handles += layer.site.attach_routing(hook)
                 continue
+            one = torch.ones((), dtype=torch.float64, device=buffer.device)
             hook = ctx.timed(self.name, self._make_logits_hook(layer, one, group))
             ctx.handles += layer.site.attach_logits(hook)
         # Routers that hand over their own choice record through the torch path: the
@@ -332,7 +332,7 @@ class MoEMonitor:
 
         return record
 
-    def _make_routing_hook(self, layer: _RouterLayer):
+    def _make_routing_hook(self, layer: _RouterLayer, group: SlotGroup):
         tokens, zloss, mass = layer.tokens, layer.zloss, layer.mass
         score = layer.site.score
 
@@ -342,6 +342,12 @@ class MoEMonitor:
                 return
             n_tokens = logits.shape[0]  # a shape, fixed by the batch: not a tensor value
             stats = router_stats_from_map(logits, routing_map, score)
+            if kernels.use_triton(logits):  # one fold for the three slots, not six ops
+                partials = torch.cat(
+                    [stats.counts.float(), stats.zloss_sum.view(1), stats.mass_sum.view(1)]
+                )
+                group.fold(partials.view(1, -1), n_tokens)
+                return
             tokens.add(stats.counts, count=n_tokens)
             zloss.add(stats.zloss_sum, count=n_tokens)
             mass.add(stats.mass_sum, count=n_tokens)

@@ -143,6 +143,7 @@ def _run_rank(rank: int, world: int, run_dir: str) -> dict[str, Any]:
         fallback=engine.controller.fallback,
         records=sorted(names),
         sections=[row.name for row in report.rows],
+        misuse=report.values.get("profile/self/misuse_count"),
         timers_restored=config.timers is counting,
         validations=syncless.validations,
     )
@@ -174,6 +175,7 @@ def test_windows_survive_validation_and_every_stage_is_monitored(tmp_path):
         assert rank["validations"] == 1 and rank["timers_restored"]
         for section in ("forward-compute", "backward-compute", "forward-send", "backward-recv"):
             assert section in rank["sections"]
+        assert rank["misuse"] == 0  # validation's timers open no section outside a step
     names = ranks[0]["records"]
     for layer in range(4):  # stage 0 holds layers 0-1, stage 1 layers 2-3
         assert f"monitors/layer_{layer:02d}/act_absmax" in names

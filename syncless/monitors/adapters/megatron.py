@@ -112,10 +112,10 @@ class MegatronAdapter:
     )
 
     def matches(self, model: nn.Module) -> bool:
-        return _gpt(model) is not None
+        return find_gpt(model) is not None
 
     def map(self, model: nn.Module, first_layer: int = 0) -> ModelMap:
-        gpt = _gpt(model)
+        gpt = find_gpt(model)
         if gpt is None:
             raise UsageError(f"{type(model).__name__} is not a Megatron-core GPTModel")
         blocks = layer_list(gpt.decoder.layers) or []  # type: ignore[union-attr]
@@ -154,8 +154,9 @@ def param_layout(p: Tensor) -> Any:
     return REPLICATED
 
 
-def _gpt(model: nn.Module) -> nn.Module | None:
-    """The module that holds ``decoder.layers``, under ``.module`` wrappers."""
+def find_gpt(model: nn.Module) -> nn.Module | None:
+    """The ``GPTModel`` (the module holding ``decoder.layers`` and ``config``) under
+    ``.module`` wrappers, or None."""
     for _ in range(_WRAPPER_DEPTH):
         model = unwrap(model)
         blocks = layer_list(getattr(getattr(model, "decoder", None), "layers", None))
