@@ -1,4 +1,4 @@
-"""A run directory loaded for the HTML report: five DuckDB queries, then numpy.
+"""A run directory loaded for the HTML report: six DuckDB queries, then numpy.
 
 Every table is aggregated in SQL, by metric and step bucket, so a run of a million
 records loads as a few thousand rows. Start at :func:`load`.
@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from syncless.report.nonfinite import FirstNonfinite, first_nonfinite
 from syncless.run.store import RunStore
 
 __all__ = ["Cells", "RunData", "Series", "load"]
@@ -78,6 +79,7 @@ class RunData:
     rank_means: dict[str, dict[int, float]] = field(default_factory=dict)  # profile/*
     captures: list[tuple[str, int, int]] = field(default_factory=list)  # tag, count, bytes
     unreadable: list[str] = field(default_factory=list)  # shard path: why
+    nonfinite: FirstNonfinite | None = None  # None: the run recorded no NaN/Inf
 
     def has(self, name: str) -> bool:
         return name in self.series
@@ -109,6 +111,7 @@ def load(store: RunStore) -> RunData:
     )
     if not steps:
         return data
+    data.nonfinite = first_nonfinite(store)
     column = f"{first} + (step - {first}) // {bucket} * {bucket}"
     data.series = _series(store, column)
     data.layers = _layers(store, column)

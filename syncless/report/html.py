@@ -41,6 +41,9 @@ td.n { text-align: right; font-variant-numeric: tabular-nums; }
 .note { color: #555; }
 .worst { background: #fff4e5; border-left: 3px solid #f0a030; padding: 4px 10px; }
 .warn { background: #fdecea; border-left: 3px solid #d93025; padding: 4px 10px; }
+.alarm { background: #fdecea; border: 2px solid #d93025; border-radius: 4px;
+         padding: 8px 14px; margin: 12px 0; font-weight: 600; }
+.alarm p { margin: 2px 0; }
 .chart { min-height: 320px; }
 """
 
@@ -115,6 +118,10 @@ def page(data: RunData, parts: list[Section]) -> str:
             f'<div class="warn">{len(data.unreadable)} shard(s) could not be read and '
             f"are left out of every number below:<ul>{items}</ul></div>"
         )
+    alarm = ""
+    if data.nonfinite:  # the first thing to read: it dates every chart below
+        lines = "".join(f"<p>{html.escape(line)}</p>" for line in data.nonfinite.lines())
+        alarm = f'<div class="alarm" id="nonfinite" role="alert">{lines}</div>'
     body = "".join(
         f'<section id="{s.anchor}"><h2>{html.escape(s.title)}</h2>{s.body}</section>' for s in parts
     )
@@ -126,7 +133,7 @@ def page(data: RunData, parts: list[Section]) -> str:
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>syncless report: {name}</title><style>{CSS}</style>"
         f'<script type="text/javascript">{get_plotlyjs()}</script></head>'
-        f"<body><h1>syncless report: {name}</h1><nav>{nav}</nav>{warn}{body}"
+        f"<body><h1>syncless report: {name}</h1>{alarm}<nav>{nav}</nav>{warn}{body}"
         f'<p class="note">Made by <code>syncless report</code> on '
         f"{time.strftime('%Y-%m-%d %H:%M')}.</p></body></html>\n"
     )

@@ -20,6 +20,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from syncless.report.nonfinite import FirstNonfinite, first_nonfinite
 from syncless.run.query_cli import to_stdout, warnings_on_stderr
 from syncless.run.store import RunStore
 
@@ -89,6 +90,7 @@ class RunTotals:
     stats: dict[str, Stat]
     per_rank: dict[int, dict[str, float]] = field(default_factory=dict)
     captures: tuple[int, int] | None = None  # index rows, bytes
+    nonfinite: FirstNonfinite | None = None  # None: the run recorded no NaN/Inf
     skipped: list[str] = field(default_factory=list)  # unreadable shards (the store warns)
     warnings: list[str] = field(default_factory=list)
 
@@ -128,6 +130,7 @@ def read(path: str | os.PathLike) -> RunTotals:
         if "captures" in store.tables:
             count, nbytes = store.query(_CAPTURES)[1][0]
             totals.captures = (count, int(nbytes or 0))
+        totals.nonfinite = first_nonfinite(store)
         totals.skipped = [str(s.path) for s in store.unreadable]
     world = totals.info.get("world_size")
     if isinstance(world, int) and records and ranks < world:
@@ -356,8 +359,12 @@ def _self_table(t: RunTotals) -> Table | None:
 
 
 def print_summary(totals: RunTotals, out: TextIO | None = None) -> None:
-    """Print the sections the run has, in a fixed order."""
+    """Print the sections the run has, in a fixed order; a NaN/Inf the run saw comes first."""
     console = Console(file=out or sys.stdout, width=max(100, Console().width))
+    if totals.nonfinite:
+        for line in totals.nonfinite.lines():
+            console.print(line, style="bold red", markup=False, highlight=False)
+        console.print()
     console.print(_run_table(totals))
     if not totals.records:
         console.print("no records yet")
