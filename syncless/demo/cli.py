@@ -14,7 +14,7 @@ from syncless.demo.config import PRESETS, add_config_arguments, config_from_args
 from syncless.demo.launch import launch, strip_nproc
 from syncless.demo.signals import AGENT_PID_ENV, Stopped, die_with_parent, stop_on
 from syncless.errors import UsageError
-from syncless.run.rundir import check_run_dir
+from syncless.run.rundir import DEFAULT_ROOT, check_run_dir, check_writable
 
 SINKS = ("tensorboard", "wandb")  # each the name of its extra and of its package
 
@@ -235,8 +235,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
         cfg.validate(world_size=args.nproc)
         build_tools(args)  # reject bad tool flags before starting the ranks
+        # Refused before the ranks start: one line, not one per rank and torchrun's report.
         if args.run_dir is not None:
-            check_run_dir(Path(args.run_dir), args.resume)  # refused before the ranks start
+            check_run_dir(Path(args.run_dir), args.resume)
+        check_writable(Path(args.run_dir or DEFAULT_ROOT))
         # Rank 0 claims the directory and prints the summary (or, with --quiet, the run
         # directory) itself.
         return launch(args.nproc, [*strip_nproc(argv), "--name", name])

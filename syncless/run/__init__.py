@@ -18,6 +18,7 @@ _HOMES = {
     "StepRecords": "syncless.run.records",
     "check_metric_name": "syncless.run.records",
     "Run": "syncless.run.run",
+    "RunDirError": "syncless.run.rundir",
     "TensorBoardSink": "syncless.run.sink_tensorboard",
     "WandbSink": "syncless.run.sink_wandb",
     "ConsoleSink": "syncless.run.sinks",
@@ -32,6 +33,7 @@ __all__ = [
     "ParquetSink",
     "RankInfo",
     "Run",
+    "RunDirError",
     "RunStore",
     "Sink",
     "StepRecord",
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from syncless.run.parquet import ParquetSink
     from syncless.run.records import StepRecord, StepRecords, check_metric_name
     from syncless.run.run import Run
+    from syncless.run.rundir import RunDirError
     from syncless.run.sink_tensorboard import TensorBoardSink
     from syncless.run.sink_wandb import WandbSink
     from syncless.run.sinks import ConsoleSink, Sink

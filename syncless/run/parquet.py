@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from syncless.run.atomic import replaced_when_written
 from syncless.run.records import StepRecord, StepRecords
+from syncless.run.rundir import RunDirError
 
 SCHEMA = pa.schema(
     [
@@ -85,7 +86,10 @@ class ParquetSink:
         if flush_interval_s <= 0:
             raise ValueError(f"flush_interval_s={flush_interval_s}: expected > 0 seconds")
         self.dir = Path(metrics_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunDirError("create the metrics directory", self.dir, e) from e
         self.rank = rank
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
@@ -166,7 +170,11 @@ class ParquetSink:
 
     def _write_shard(self, records: StepRecords) -> None:
         name = f"rank{self.rank:05d}-{self._seq:06d}.parquet"
-        with replaced_when_written(self.dir / name) as tmp:
-            pq.write_table(records_to_table(records), tmp)
+        try:
+            with replaced_when_written(self.dir / name) as tmp:
+                pq.write_table(records_to_table(records), tmp)
+        except OSError as e:
+            lost = f"{len(records)} record(s) lost"
+            raise RunDirError("write the metric shard", self.dir / name, e, advice=lost) from e
         self._seq += 1
         self.shards_written += 1

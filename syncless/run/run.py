@@ -16,7 +16,9 @@ from syncless.run.dist import RankInfo, rank_info
 from syncless.run.parquet import ParquetSink
 from syncless.run.records import StepRecord, StepRecords, check_metric_name
 from syncless.run.rundir import (
+    DEFAULT_ROOT,
     METRICS_DIR,
+    RunDirError,
     claim_run_dir,
     default_run_dir,
     last_step,
@@ -53,7 +55,8 @@ class Run:
     A sink that raises never breaks the training step: the error is counted per sink
     (``run/self/<Sink>_errors_count`` in later batches), reported once on stderr, and
     the sink is dropped after ``max_sink_errors`` failures. ``strict=True`` raises
-    instead.
+    instead. An OSError while creating the directory or writing ``run.json`` raises
+    :class:`~syncless.run.RunDirError`: the path and the reason in one line.
 
     Example::
 
@@ -66,7 +69,7 @@ class Run:
         name: str = "run",
         config: Mapping[str, Any] | None = None,
         run_dir: str | os.PathLike | None = None,
-        root: str | os.PathLike = "runs",
+        root: str | os.PathLike = DEFAULT_ROOT,
         sinks: Sequence[Sink] = (),
         flush_interval_s: float = 10.0,
         strict: bool = False,
@@ -129,7 +132,10 @@ class Run:
                 raise UsageError(claim.error)
             raise RuntimeError(f"rank 0 could not open the run directory: {claim.error}")
         directory = Path(claim.path)
-        directory.mkdir(parents=True, exist_ok=True)  # a node that does not share rank 0's disk
+        try:
+            directory.mkdir(parents=True, exist_ok=True)  # a node without rank 0's disk
+        except OSError as e:
+            raise RunDirError("create the run directory", directory, e) from e
         return directory, claim.next_step
 
     def _claim(

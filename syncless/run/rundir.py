@@ -9,11 +9,13 @@ Layout::
 
 Every run gets a directory of its own: :func:`make_unique_dir` claims a generated name
 (with a ``-2``, ``-3``, ... suffix on a collision), :func:`claim_run_dir` refuses a
-named one that already holds something unless the run resumes it.
+named one that already holds something unless the run resumes it. An OSError while
+creating or writing it becomes a :class:`RunDirError`: one line, the path and the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +23,7 @@ import platform
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,11 +35,51 @@ METRICS_DIR = "metrics"
 FORMAT = "syncless-run/1"
 
 
+#: Where generated run directories go, relative to the working directory.
+DEFAULT_ROOT = "runs"
+
 #: How many ``-N`` suffixes a generated name tries before giving up.
 MAX_SUFFIX = 1000
 
+#: What a :class:`RunDirError` at the start of a run tells the user to do.
+CHOOSE_ANOTHER = "choose a writable run directory (`--run-dir DIR`, `Run(run_dir=DIR)`)"
 
-def default_run_dir(name: str, root: str | os.PathLike = "runs") -> Path:
+
+class RunDirError(UsageError):
+    """The operating system refused to create or write the run directory.
+
+    The message names what was being done, the path and the OS's reason, on one line;
+    the OSError is the ``__cause__``. A :class:`~syncless.errors.UsageError`, so the CLI
+    prints it as ``syncless: error: ...`` and exits 2.
+
+    Example::
+
+        try:
+            run = Run(run_dir="/proc/my-run")
+        except RunDirError as e:
+            print(e)  # cannot create the run directory '/proc/my-run': No such file ...
+
+    Args:
+        action: what failed, completing "cannot ...", e.g. "create the run directory".
+        path: the directory or file it failed on.
+        error: the OSError.
+        advice: what to do about it.
+    """
+
+    def __init__(
+        self, action: str, path: str | os.PathLike, error: OSError, advice: str = CHOOSE_ANOTHER
+    ) -> None:
+        self.path = Path(path)
+        # pyarrow puts its own words in strerror; the errno's are the ones users know.
+        self.reason = os.strerror(error.errno) if error.errno else str(error)
+        where = ""
+        failed = Path(error.filename) if isinstance(error.filename, str) else None
+        if failed is not None and failed in self.path.parents:
+            where = f" (at {str(failed)!r})"  # a parent, made on the way
+        super().__init__(f"cannot {action} {str(self.path)!r}{where}: {self.reason}; {advice}")
+
+
+def default_run_dir(name: str, root: str | os.PathLike = DEFAULT_ROOT) -> Path:
     return Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
 
 
@@ -46,13 +89,18 @@ def make_unique_dir(proposed: Path) -> Path:
     ``mkdir`` without ``exist_ok`` is the claim: atomic between processes, so two runs
     started in the same second, which generate the same name, get two directories.
     """
-    proposed.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        proposed.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError("create the run directory", proposed, e) from e
     for n in range(1, MAX_SUFFIX + 1):
         path = proposed if n == 1 else proposed.with_name(f"{proposed.name}-{n}")
         try:
             path.mkdir()
         except FileExistsError:
             continue
+        except OSError as e:
+            raise RunDirError("create the run directory", path, e) from e
         return path
     raise UsageError(
         f"{MAX_SUFFIX} run directories named {str(proposed)!r}[-N] exist already; "
@@ -67,9 +115,11 @@ def claim_run_dir(path: Path, resume: bool) -> bool:
     """
     try:
         path.mkdir(parents=True)
-        return False
     except FileExistsError:
         return check_run_dir(path, resume)
+    except OSError as e:
+        raise RunDirError("create the run directory", path, e) from e
+    return False
 
 
 def check_run_dir(path: Path, resume: bool) -> bool:
@@ -79,6 +129,13 @@ def check_run_dir(path: Path, resume: bool) -> bool:
     unless ``resume`` (a new segment of that run); one that holds anything else is
     refused either way, so two runs' steps never mix in one directory.
     """
+    try:
+        return _check_run_dir(path, resume)
+    except OSError as e:
+        raise RunDirError("read the run directory", path, e) from e
+
+
+def _check_run_dir(path: Path, resume: bool) -> bool:
     if not path.exists():
         return False
     if not path.is_dir():
@@ -99,6 +156,28 @@ def check_run_dir(path: Path, resume: bool) -> bool:
         "steps into it; resume it (`syncless demo --resume`, `Run(resume=True)`) to add a "
         "segment, or choose a new directory (or none, for a fresh one under runs/)"
     )
+
+
+def check_writable(path: Path) -> None:
+    """Raise :class:`RunDirError` unless ``path`` can be created or, if it exists, written.
+
+    For a launcher that leaves the claim to the ranks it starts: every directory made
+    here is removed again, so that one line stops the launch, not one error per rank.
+    """
+    try:
+        made = [p for p in (path, *path.parents) if not p.exists()]
+        if made:
+            path.mkdir(parents=True)
+        else:
+            tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        action = "create the run directory" if not path.is_dir() else "write in the run directory"
+        raise RunDirError(action, path, e) from e
+    for directory in made:  # deepest first
+        try:
+            directory.rmdir()
+        except OSError:
+            break  # taken meanwhile: it is no longer ours to remove
 
 
 def _contents(path: Path) -> str:
@@ -155,13 +234,23 @@ def write_run_json(run_dir: Path, meta: dict[str, Any], exclusive: bool = False)
     """
     doc = meta if "format" in meta else {"format": FORMAT, **meta}
     tmp = run_dir / f".{RUN_JSON}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    try:
+        tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        _put_in_place(tmp, run_dir, exclusive)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # a full disk needs its space back
+        raise RunDirError(f"write {RUN_JSON} in", run_dir, e) from e
+
+
+def _put_in_place(tmp: Path, run_dir: Path, exclusive: bool) -> None:
     if not exclusive:
         os.replace(tmp, run_dir / RUN_JSON)
         return
     try:
         os.link(tmp, run_dir / RUN_JSON)
     except FileExistsError:
+        tmp.unlink()
         raise UsageError(
             f"another run started in {str(run_dir)!r} at the same time; choose a new directory"
         ) from None
