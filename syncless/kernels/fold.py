@@ -1,14 +1,17 @@
 """One launch that folds a module's partial results into several metric slots.
 
 ``partials`` is ``[P, N]`` float32: ``P`` partial rows (one per program of the partials
-kernel) of ``N`` columns. ``table`` is ``[3, N]`` int64, per column the buffer index of
-its sum (or -1), of its count (or -1) and of its running max (or -1), built once by
-:class:`syncless.metrics.SlotGroup`. A column with a sum target is reduced over ``P`` by
+kernel) of ``N`` columns. ``table`` is ``[4, N]`` int64, per column the buffer index of
+its sum (or -1), of its count (or -1), of its running max (or -1) and of a "first step"
+min metric (or -1), built once by :class:`syncless.metrics.SlotGroup`. A column with a sum target is reduced over ``P`` by
 a float64 sum (and, if it also has a max target, that sum is what the max sees: a
 per-call count feeding a "largest this step" alert, which several columns may share:
 an atomic max, for non-negative values only); a column with only a max target is
 reduced by max. The gate (float64 0/1) multiplies sums and counts and, when 0,
-leaves maxima untouched, as the torch slot ops do.
+leaves maxima untouched, as the torch slot ops do. A column with a first-step target
+whose sum is positive writes the current step label (``step``, a float64 device
+scalar) into it as a min: the step of the first NaN/Inf a layer saw since the last
+readout, kept on the device (no host read) at no launch more.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def _fold_kernel(
     table_ptr,
     buf_ptr,
     gate_ptr,
+    step_ptr,
     P,
     N,
     n_samples,
@@ -42,6 +46,7 @@ def _fold_kernel(
     sum_idx = tl.load(table_ptr + cols, mask=in_range, other=-1)
     cnt_idx = tl.load(table_ptr + N + cols, mask=in_range, other=-1)
     max_idx = tl.load(table_ptr + 2 * N + cols, mask=in_range, other=-1)
+    first_idx = tl.load(table_ptr + 3 * N + cols, mask=in_range, other=-1)
     acc_sum = tl.zeros([BLOCK_N], dtype=tl.float64)
     acc_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
@@ -73,6 +78,13 @@ def _fold_kernel(
     tl.atomic_max(
         m_ptr.to(tl.pointer_type(tl.int64)), acc_sum.to(tl.int64, bitcast=True), mask=shared
     )
+    # first step: a min metric, stored negated (a max of -step). Each column has its own
+    # target (SlotGroup checks), so a plain load and store.
+    has_first = tl.where(gate != 0.0, in_range & (first_idx >= 0) & (acc_sum > 0), False)
+    f_ptr = buf_ptr + tl.where(has_first, first_idx, 0)
+    neg_step = -tl.load(step_ptr)
+    old_first = tl.load(f_ptr, mask=has_first, other=0.0)
+    tl.store(f_ptr, tl.maximum(old_first, neg_step), mask=has_first)
 
 
 @hot_path
@@ -81,6 +93,7 @@ def fold(
     table: torch.Tensor,
     buffer: torch.Tensor,
     gate: torch.Tensor,
+    step: torch.Tensor,
     n_samples: float,
 ) -> None:
     """Reduce ``partials`` ``[P, N]`` over P and fold them into ``buffer`` (1 launch)."""
@@ -89,6 +102,6 @@ def fold(
     # n_samples as a float: an int argument would be specialised (== 1, % 16) and
     # recompile the kernel for a few batch sizes.
     _fold_kernel[grid](
-        partials, table, buffer, gate, partials.shape[0], n_cols, float(n_samples),
+        partials, table, buffer, gate, step, partials.shape[0], n_cols, float(n_samples),
         BLOCK_P=_BLOCK_P, BLOCK_N=_BLOCK_N,
     )  # fmt: skip

@@ -21,6 +21,7 @@ class _Pending:
     step: int
     host: np.ndarray
     event: torch.cuda.Event | None
+    index: int  # the flush's ordinal (MetricSet.flushes before it)
 
     def landed(self) -> bool:
         return self.event is None or self.event.query()
@@ -34,6 +35,7 @@ class Landed:
 
     step: int
     host: np.ndarray
+    index: int = 0  # the flush's ordinal: every rank's n-th flush has the same
 
 
 #: Pinned host buffers a flush copies into, in turn. A readout is decoded once its copy
@@ -173,6 +175,9 @@ class MetricSet:
         self._reset()
         self.gate = torch.ones((), dtype=torch.float64, device=device)
         self.gate_on = torch.ones((), dtype=torch.bool, device=device)
+        # The label of the step being recorded, for "first step" metrics (a NaN's step
+        # stays on the device until the flush): set_step_label writes it.
+        self.step_label = torch.zeros((), dtype=torch.float64, device=device)
         neg_inf = torch.full((), -torch.inf, dtype=torch.float64, device=device)
         for spec, offsets in zip(self._specs, self._offsets, strict=True):
             self._slots[spec.key].bind(self.buffer, offsets, self.gate, self.gate_on, neg_inf)
@@ -194,6 +199,10 @@ class MetricSet:
             self._identity[self._sum_len :] = -torch.inf
         self.buffer.copy_(self._identity)
 
+    def set_step_label(self, label: int) -> None:
+        """The label of the next recorded step (one fill launch, no host read)."""
+        self.step_label.fill_(float(label))
+
     def set_enabled(self, enabled: bool) -> None:
         """Turn recording on or off on the device (no retrace, no graph re-capture)."""
         self.gate.fill_(1.0 if enabled else 0.0)
@@ -212,11 +221,12 @@ class MetricSet:
         """
         return [self.decode(c) for c in self._flush(step, wait, copy=False)]
 
-    def flush_landed(self, step: int, wait: bool = False) -> list[Landed]:
+    def flush_landed(self, step: int, wait: bool = False, copy: bool = True) -> list[Landed]:
         """``flush`` without the decode: the landed steps' values copied out of the
         pinned ring (a ~200 KB memcpy on the demo's large schema), for ``decode`` on
-        another thread while this one goes on training."""
-        return self._flush(step, wait, copy=True)
+        another thread while this one goes on training. ``copy=False``: views into the
+        ring, valid until the next flush (decode them before it)."""
+        return self._flush(step, wait, copy=copy)
 
     def decode(self, landed: Landed) -> Readout:
         """The ``Readout`` of a ``flush_landed`` copy (pure numpy: any thread)."""
@@ -234,7 +244,7 @@ class MetricSet:
         ready: list[Landed] = []
         if len(self._pending) == len(self._host):  # this turn's buffer is still unread
             oldest = self._landed(self._pending.popleft())
-            ready.append(Landed(oldest.step, oldest.host.copy()))
+            ready.append(Landed(oldest.step, oldest.host.copy(), oldest.index))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             # The two packed collectives of a flush; contiguous views of one buffer.
             dist.all_reduce(buf[: self._sum_len], op=dist.ReduceOp.SUM, group=self.group)
@@ -253,13 +263,13 @@ class MetricSet:
         landed = []
         while self._pending and self._pending[0].landed():
             landed.append(self._pending.popleft())
-        current = _Pending(step, host_np, event)
+        current = _Pending(step, host_np, event, self.flushes - 1)
         if wait:
             landed += [self._landed(p) for p in (*self._pending, current)]
             self._pending.clear()
         else:
             self._pending.append(current)
-        return ready + [Landed(p.step, p.host.copy() if copy else p.host) for p in landed]
+        return ready + [Landed(p.step, p.host.copy() if copy else p.host, p.index) for p in landed]
 
     def drain(self) -> list[Readout]:
         """Every readout still pending (waiting for copies in flight), oldest first."""
@@ -268,7 +278,7 @@ class MetricSet:
     def drain_landed(self) -> list[Landed]:
         """``drain`` without the decode (see ``flush_landed``)."""
         pending, self._pending = list(self._pending), deque()
-        return [Landed(p.step, self._landed(p).host.copy()) for p in pending]
+        return [Landed(p.step, self._landed(p).host.copy(), p.index) for p in pending]
 
     def _landed(self, pending: _Pending) -> _Pending:
         if pending.event is not None:

@@ -29,12 +29,17 @@ class Column:
     ``slot`` these columns write (a tensor-parallel shard writes its slice).
     ``slot=None``: ``width`` columns the fold skips (a grouped launch folds what only
     one column may update, such as a metric shared by every layer, on its own).
+    ``first``: a min metric of the same width that receives the current step label
+    (``MetricSet.step_label``) wherever the summed value is positive: the first step
+    a count (of NaN/Inf values) went above zero since the last flush. Each column's
+    target must be its own.
     """
 
     slot: Slot | None
     width: int | None = None
     start: int = 0
     also_max: Slot | None = None
+    first: Slot | None = None
 
 
 class SlotGroup:
@@ -46,9 +51,11 @@ class SlotGroup:
         self.metrics = metrics
         self.buffer = metrics.buffer
         self.gate = metrics.gate
+        self.step = metrics.step_label
         sums: list[int] = []
         counts: list[int] = []
         maxima: list[int] = []
+        firsts: list[int] = []
         for col in columns:
             if col.slot is None:
                 if col.width is None:
@@ -56,6 +63,7 @@ class SlotGroup:
                 sums += [-1] * col.width
                 counts += [-1] * col.width
                 maxima += [-1] * col.width
+                firsts += [-1] * col.width
                 continue
             spec = col.slot.spec
             width = spec.size - col.start if col.width is None else col.width
@@ -68,6 +76,7 @@ class SlotGroup:
             if spec.agg == "min":
                 raise ValueError(f"metric {spec.key!r}: min metrics are not foldable")
             elements = range(col.start, col.start + width)
+            firsts += _first_targets(col, width)
             if spec.agg == "max":
                 sums += [-1] * width
                 counts += [-1] * width
@@ -85,15 +94,30 @@ class SlotGroup:
                         f"{col.also_max.spec.key!r}"
                     )
                 maxima += [alert + i for i in range(width)]
+        taken = [f for f in firsts if f >= 0]
+        if len(set(taken)) != len(taken):
+            raise ValueError("columns share a first-step target: each needs its own")
         self.width = len(sums)
-        self.table = torch.tensor([sums, counts, maxima], dtype=torch.int64).to(self.buffer.device)
+        self.table = torch.tensor([sums, counts, maxima, firsts], dtype=torch.int64).to(
+            self.buffer.device
+        )
 
     @hot_path
     def fold(self, partials: torch.Tensor, n_samples: float) -> None:
         """Fold ``partials`` ``[P, width]`` into the slots; counts advance by ``n_samples``."""
         from syncless.kernels.fold import fold
 
-        fold(partials, self.table, self.buffer, self.gate, n_samples)
+        fold(partials, self.table, self.buffer, self.gate, self.step, n_samples)
+
+
+def _first_targets(col: Column, width: int) -> list[int]:
+    """Buffer indices of ``col``'s first-step min metric (stored negated), or -1s."""
+    if col.first is None:
+        return [-1] * width
+    spec = col.first.spec
+    if spec.agg != "min" or spec.size != width:
+        raise ValueError(f"first needs a min metric of size {width}, got {spec.key!r}")
+    return [_offsets(col.first)[2] + i for i in range(width)]
 
 
 def _offsets(slot: Slot) -> tuple[int, int, int]:
