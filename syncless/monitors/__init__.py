@@ -1,7 +1,9 @@
 """Built-in monitors on top of syncless.metrics: attention, moe, activations, norms,
 nonfinite. ``attach(model, build("all", optimizer=opt), run=run)`` then
-``handle.step(step)`` once per training step."""
+``handle.step(step)`` once per training step (``handle.step(step, loss=, grad_norm=)``
+to have the nonfinite alarm check those too)."""
 
+from syncless.monitors.alarm import NonFiniteError, NonFiniteEvent
 from syncless.monitors.attach import attach
 from syncless.monitors.base import AREA, Monitor, MonitorContext
 from syncless.monitors.handle import MonitorHandle
@@ -13,6 +15,8 @@ __all__ = [
     "Monitor",
     "MonitorContext",
     "MonitorHandle",
+    "NonFiniteError",
+    "NonFiniteEvent",
     "attach",
     "build",
     "parse_names",

@@ -117,7 +117,7 @@ class ActivationsMonitor:
             if kernels.use_triton(hidden):
                 if self._batch is not None:  # the site's hook detached ``hidden``
                     shared = self._shared
-                    if shared is not None and self._partner.active:
+                    if shared is not None and self._partner.watching:
                         shared.add(layer, hidden)  # read once for both monitors
                         return True
                     self._batch.add(layer, hidden)

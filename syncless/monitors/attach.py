@@ -14,9 +14,11 @@ from torch import nn
 from syncless.errors import UsageError
 from syncless.metrics import MetricSet
 from syncless.monitors.adapters import find_layers
+from syncless.monitors.alarm import Action, check_action
 from syncless.monitors.base import Monitor, MonitorContext, compiled_and_run
 from syncless.monitors.budget import DEFAULT_BUDGET, Budget
 from syncless.monitors.handle import MonitorHandle
+from syncless.monitors.nonfinite import NonFiniteMonitor
 from syncless.monitors.output_read import fuse_output_reads
 from syncless.monitors.ranks import check_same_monitors
 from syncless.recompute import recomputing
@@ -37,6 +39,7 @@ def attach(
     strict: bool = False,
     background: bool | None = None,
     budget: float | None = DEFAULT_BUDGET,
+    on_nonfinite: Action = "warn",
 ) -> MonitorHandle:
     """Declare every monitor on every model chunk, allocate once, then attach hooks.
 
@@ -56,13 +59,27 @@ def attach(
     monitor's host and device cost per active step is measured (lagged, no sync) and
     its cadence lengthened until the stack fits (a monitor's ``every`` is the fastest it
     runs); the cadences, costs and shares are recorded as ``monitors/self/*`` and
-    printed at ``close()`` (syncless.monitors.budget). ``None``: fixed cadences.
+    printed at ``close()`` (syncless.monitors.budget). ``None``: fixed cadences. The
+    nonfinite monitor is an alarm: its hooks check every step whatever the budget, and
+    only its readout follows it.
+
+    ``on_nonfinite``: what a readout that found a NaN or Inf does (nonfinite monitor):
+    ``"warn"`` (default) prints one line naming the step, layer and count; ``"raise"``
+    also raises :class:`~syncless.monitors.NonFiniteError` from the next ``step`` that
+    follows the readout (lagged: never a sync to make it sooner); a callable is called
+    with the :class:`~syncless.monitors.NonFiniteEvent` (syncless.monitors.alarm).
     """
     if not monitors:
         raise ValueError("attach() needs at least one monitor")
     names = [m.name for m in monitors]
     if len(set(names)) != len(names):
         raise ValueError(f"each monitor may be attached once; got {names}")
+    check_action(on_nonfinite)
+    if on_nonfinite != "warn" and not any(isinstance(m, NonFiniteMonitor) for m in monitors):
+        raise UsageError(
+            f"on_nonfinite={on_nonfinite!r} needs the nonfinite monitor: add "
+            "monitors.NonFiniteMonitor() (or build([..., 'nonfinite']))"
+        )
     check_same_monitors(monitors, group, budget)
     model_map = find_layers(model, layer_offsets=layer_offsets)
     if device is None:
@@ -81,7 +98,10 @@ def attach(
         print(f"syncless: warning: {message}", file=sys.stderr)
     ctx = MonitorContext(model_map, MetricSet(group), roots)
     if budget is not None:
-        ctx.budget = Budget(budget, {m.name: m.every for m in monitors}, device, group)
+        always_on = [m.name for m in monitors if getattr(m, "always_on", False)]
+        ctx.budget = Budget(
+            budget, {m.name: m.every for m in monitors}, device, group, always_on=always_on
+        )
     for m in monitors:
         m.prepare(ctx)
     ctx.metrics.allocate(device)
@@ -92,7 +112,14 @@ def attach(
     if background is None:
         background = lagged and torch.device(device).type == "cuda"
     handle = MonitorHandle(
-        monitors, ctx, run, lagged, emit=is_main, strict=strict, background=background
+        monitors,
+        ctx,
+        run,
+        lagged,
+        emit=is_main,
+        strict=strict,
+        background=background,
+        on_nonfinite=on_nonfinite,
     )
     if background and model_map.layers:
         hook = _backward_signal(handle)

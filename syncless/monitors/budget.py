@@ -22,6 +22,11 @@ that the stack stays under ``budget`` (a fraction of the step, default 1%):
 * **compiled hooks** (torch.compile traced them: no clock, no event, nothing on the
   ledger): from step times, against steps that run none of them
   (syncless.monitors.budget_compiled).
+* **always-on monitors** (the nonfinite alarm): their hooks run at every step, so
+  their cost per step (host per step, or device on timed steps, the larger) is a
+  fixed share taken off the budget before the others share it out, and only their
+  readout is planned, from its cost per flush, and never rarer than every
+  ``ALARM_MAX_EVERY`` steps (the alarm's lag).
 * **step time**: the median of the host's wall time between the last ``WINDOW``
   ``handle.step`` calls (the training loop's period, device-paced when the step is
   GPU-bound; a step that saves a checkpoint does not move it).
@@ -64,6 +69,7 @@ from syncless.monitors.budget_compiled import StepDeltas
 DEFAULT_BUDGET = 0.01
 PLANNED = 0.6  # of the budget given to the measured costs; the rest is headroom
 MAX_EVERY = 1000
+ALARM_MAX_EVERY = 64  # the longest an always-on monitor's readout waits, in steps
 TIMED_FIRST = 3  # active steps timed (after the first, never measured) before sampling
 TIMED_EVERY = 4  # then one timed active step in this many
 WINDOW = 5  # measurements a median is taken over (costs and the step time)
@@ -111,6 +117,7 @@ class Budget:
         fastest: dict[str, int],
         device: torch.device | str,
         group: dist.ProcessGroup | None = None,
+        always_on: Iterable[str] = (),
     ) -> None:
         if not 0 < fraction < 1:
             raise ValueError(
@@ -134,6 +141,9 @@ class Budget:
         self._ranks = (
             dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         )
+        self.always_on = frozenset(always_on)
+        self.fixed_ms: dict[str, float] = {}  # always-on monitors' cost per step (median)
+        self._fixed: dict[str, deque[float]] = {m: deque(maxlen=WINDOW) for m in always_on}
         self.cost_ms: dict[str, float] = {}  # the median of _costs, per active step
         self.device_ms: dict[str, float] = {}  # the last timed step's device time
         self.step_ms: float | None = None
@@ -180,12 +190,17 @@ class Budget:
     # -- cold path: once per step ------------------------------------------------------
 
     def step_end(
-        self, active: Iterable[str], host_ns: dict[str, int] | None, flush_ms: float = 0.0
+        self,
+        active: Iterable[str],
+        host_ns: dict[str, int] | None,
+        flush_ms: float = 0.0,
+        steps: int = 1,
     ) -> None:
         """The step just flushed: ``active`` monitors ran, their hooks took ``host_ns``
         and the flush ``flush_ms`` of host time, which the active monitors share (a
         monitor active every step forces a flush every step, even one that costs
-        nothing itself, like the moe monitor on a dense model)."""
+        nothing itself, like the moe monitor on a dense model). ``steps``: the steps
+        since the previous flush, over which always-on monitors' hooks ran."""
         now = self.clock()
         active = list(active)
         period = None if self._last_step_end is None else (now - self._last_step_end) * 1e3
@@ -194,12 +209,18 @@ class Budget:
             self.step_ms = statistics.median(self._periods)
         self._last_step_end = now
         flush_share = flush_ms / len(active) if active else 0.0
-        host = {m: (host_ns or {}).get(m, 0) / 1e6 + flush_share for m in active}
+        host: dict[str, float] = {}
         for m in active:
+            hooks_ms = (host_ns or {}).get(m, 0) / 1e6
+            # an always-on monitor's hooks, per step; its active step adds the flush
+            host[m] = hooks_ms / max(steps, 1) if m in self.always_on else hooks_ms + flush_share
             self._active_steps[m] += 1
         if self.aligned:
             self._compiled_step(period, active, host_ns or {})
             host = {m: ms for m, ms in host.items() if m not in self.compiled}
+        for m in self.always_on.intersection(active):
+            if self._active_steps[m] > 1:
+                self._measured(m, flush_share)
         if self._cuda:
             timed = {m: host[m] for m in self.timing if m in host}
             if timed:
@@ -209,14 +230,27 @@ class Budget:
         else:  # no device: the hooks' host time is the whole cost
             for m, ms in host.items():
                 if self._active_steps[m] > 1:  # the first compiles and allocates
-                    self._measured(m, ms)
+                    self._cost(m, ms)
         self._replan()
+
+    def _cost(self, monitor: str, ms: float) -> None:
+        """A measured cost of ``monitor``'s hooks: per active step, or for an always-on
+        monitor per step (a fixed cost)."""
+        if monitor in self.always_on:
+            fixed = self._fixed[monitor]
+            fixed.append(ms)
+            self.fixed_ms[monitor] = statistics.median(fixed)
+            self._fresh.add(monitor)
+        else:
+            self._measured(monitor, ms)
 
     def _compiled_step(self, period: float | None, active: list[str], host_ns: dict) -> None:
         """Under compile: the active monitors with no hook time are compiled ones; the
         step's time, less what the others cost, goes to the step-time estimates."""
         for m in active:
-            if not host_ns.get(m) and m not in self.compiled:
+            # An always-on monitor's traced hooks run in every step, the baseline's too:
+            # no step difference shows them (nor do they add graphs: no cadence branch).
+            if not host_ns.get(m) and m not in self.compiled and m not in self.always_on:
                 self.compiled.add(m)
                 self._costs[m].clear()  # the flush share it was billed is not its cost
         if period is None:
@@ -250,7 +284,7 @@ class Budget:
                 for m, ps in spans.items():
                     device = sum(w * (a.elapsed_time(b) - self.pair_ms) for a, b, w in ps)
                     self.device_ms[m] = max(0.0, device)
-                    self._measured(m, max(host[m], self.device_ms[m]))
+                    self._cost(m, max(host[m], self.device_ms[m]))
             else:
                 self.dropped_steps += 1
             # a span shared by two monitors is in both lists: free its events once
@@ -267,7 +301,10 @@ class Budget:
         if not self.step_ms:
             return
         costs = {m: ms / self.step_ms for m, ms in self.cost_ms.items()}
-        planned = plan(costs, self.fastest, self.fraction * PLANNED)
+        fixed = sum(self.fixed_ms.values()) / self.step_ms
+        planned = plan(costs, self.fastest, max(0.0, self.fraction * PLANNED - fixed))
+        for m in self.always_on:
+            planned[m] = min(planned[m], max(ALARM_MAX_EVERY, self.fastest[m]))
         # growth needs a new measurement of that monitor; shrinking needs none
         self.proposed = {
             m: min(every, self.proposed[m] * (GROWTH if m in self._fresh else 1))
@@ -306,10 +343,14 @@ class Budget:
     # -- reporting ---------------------------------------------------------------------
 
     def share(self) -> dict[str, float]:
-        """Each measured monitor's estimated fraction of the step at its cadence."""
+        """Each measured monitor's estimated fraction of the step at its cadence (an
+        always-on monitor's fixed cost per step included)."""
         if not self.step_ms:
             return {}
-        return {m: ms / self.cadence[m] / self.step_ms for m, ms in self.cost_ms.items()}
+        out = {m: ms / self.cadence[m] / self.step_ms for m, ms in self.cost_ms.items()}
+        for m, ms in self.fixed_ms.items():
+            out[m] = out.get(m, 0.0) + ms / self.step_ms
+        return out
 
     def records(self, area: str) -> dict[str, float]:
         """``area/self/...`` values: cadence, cost and share per monitor, and the stack's."""
@@ -324,6 +365,8 @@ class Budget:
             out[f"{area}/self/{m}_active_cost_ms"] = ms
         for m, ms in self.device_ms.items():
             out[f"{area}/self/{m}_device_ms"] = ms
+        for m, ms in self.fixed_ms.items():
+            out[f"{area}/self/{m}_step_cost_ms"] = ms
         shares = self.share()
         for m, frac in shares.items():
             out[f"{area}/self/{m}_share_frac"] = frac
@@ -337,15 +380,19 @@ class Budget:
         if not self.step_ms:
             return f"syncless monitors: budget {self.fraction:.1%} (no step measured)"
         shares = self.share()
-        parts = [
-            f"{m} every {every}"
-            + (
-                f" ({self.cost_ms[m]:.2f} ms per active step, {shares[m]:.2%})"
-                if m in self.cost_ms
-                else " (not measured)"
-            )
-            for m, every in self.cadence.items()
-        ]
+        parts = []
+        for m, every in self.cadence.items():
+            if m in self.always_on:
+                cost = self.fixed_ms.get(m)
+                measured = "not measured" if cost is None else f"{cost:.2f} ms per step"
+                shown = f", {shares[m]:.2%}" if m in shares else ""
+                parts.append(f"{m} every step ({measured}{shown}), read every {every}")
+            elif m in self.cost_ms:
+                parts.append(
+                    f"{m} every {every} ({self.cost_ms[m]:.2f} ms per active step, {shares[m]:.2%})"
+                )
+            else:
+                parts.append(f"{m} every {every} (not measured)")
         return (
             f"syncless monitors: budget {self.fraction:.1%} of a {self.step_ms:.1f} ms step, "
             f"stack {sum(shares.values()):.2%}: " + "; ".join(parts)
@@ -357,7 +404,9 @@ class Budget:
 # 1, attention 2.5-5). Fixed, so the active sets are always prefixes of it: monitors + 1
 # graphs for the whole run. Re-ordered by measured costs, they added graphs with each
 # new order and hit dynamo's recompile limit (1 of 4 rounds at b7d1470: +57.7%).
-CHAIN_ORDER = ("moe", "activations", "nonfinite", "attention")
+# The nonfinite monitor is not in it: its hooks run at every step (always on), so it
+# branches on no cadence and adds no graph.
+CHAIN_ORDER = ("moe", "activations", "attention")
 
 
 def _aligned(proposed: dict[str, int], compiled: set[str]) -> dict[str, int]:

@@ -11,14 +11,21 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 
+from syncless.errors import UsageError
 from syncless.metrics import Landed, Readout
+from syncless.monitors.alarm import Action, NonFiniteAlarm
 from syncless.monitors.base import AREA, Monitor, MonitorContext
+from syncless.monitors.nonfinite import CHECKED_VALUES, NonFiniteMonitor
 from syncless.run import Run, StepRecord, check_metric_name
 from syncless.run.records import StepRecords
 
 #: The longest the readout thread waits for a backward to start before it reads anyway.
 READOUT_WAIT_S = 2.0
+#: Step labels kept where the device's guess (the previous label + 1) was not the one
+#: ``step`` got (a resumed run's first step, steps numbered in strides).
+RELABELS_KEPT = 64
 
 
 class MonitorHandle:
@@ -43,6 +50,9 @@ class MonitorHandle:
     leaves the GIL to autograd's own thread for the whole backward, or for the next
     ``step`` when no backward comes (at most ``READOUT_WAIT_S``). Its time is billed as
     ``monitors/self/readout_host_ms``.
+
+    The nonfinite monitor's alarm (syncless.monitors.alarm) is checked on every flushed
+    copy as it lands, on this thread, and acted on from ``step`` (``on_nonfinite``).
     """
 
     def __init__(
@@ -54,6 +64,7 @@ class MonitorHandle:
         emit: bool,
         strict: bool = False,
         background: bool = False,
+        on_nonfinite: Action = "warn",
     ) -> None:
         self.monitors = list(monitors)
         self.ctx = ctx
@@ -86,6 +97,23 @@ class MonitorHandle:
         self.optimizer_steps = 0  # step calls that were optimizer steps (cadences count them)
         self.micro_steps = 0  # step(..., accumulate=True) calls
         self.paused = False
+        # Monitors whose hooks record at every step (the nonfinite alarm): only their
+        # readout follows the cadence.
+        self.always_on = [m for m in self.monitors if getattr(m, "always_on", False)]
+        self.nonfinite = next((m for m in self.monitors if isinstance(m, NonFiniteMonitor)), None)
+        self._steps_since_flush = 0
+        self._next_label = 0  # the label the device holds for the step in progress
+        self._relabels: dict[float, int] = {}
+        ranks = (
+            dist.get_world_size(ctx.metrics.group)
+            if dist.is_available() and dist.is_initialized()
+            else 1
+        )
+        self.alarm = (
+            NonFiniteAlarm(self.metrics, on_nonfinite, self.label, emit, ranks)
+            if self.nonfinite is not None
+            else None
+        )
         self._set_cadence(0)
 
     @property
@@ -101,6 +129,8 @@ class MonitorHandle:
         self.paused = True
         for m in self.monitors:
             m.active = False
+        for m in self.always_on:
+            m.watching = False  # type: ignore[attr-defined]
         if self.budget is not None:
             self.budget.pause()
 
@@ -108,6 +138,8 @@ class MonitorHandle:
         """Measure again from the next step, at the cadences in force."""
         if self.paused:
             self.paused = False
+            for m in self.always_on:
+                m.watching = True  # type: ignore[attr-defined]
             self._set_cadence(self.optimizer_steps)
 
     def _set_cadence(self, step: int) -> None:
@@ -122,7 +154,15 @@ class MonitorHandle:
         if budget is not None:
             budget.arm(m.name for m in self.monitors if m.active)
 
-    def step(self, step: int, wait: bool | None = None, *, accumulate: bool = False) -> StepRecords:
+    def step(
+        self,
+        step: int,
+        wait: bool | None = None,
+        *,
+        accumulate: bool = False,
+        loss: torch.Tensor | None = None,
+        grad_norm: torch.Tensor | None = None,
+    ) -> StepRecords:
         """End of training step ``step``: flush, emit, and arm the next step.
 
         ``accumulate=True`` marks the end of a micro-batch of gradient accumulation (a
@@ -131,7 +171,17 @@ class MonitorHandle:
         counts and maxima over all of them; the norms hook the optimizer step itself).
         Cadences count the calls without it, the optimizer steps; ``step`` labels the
         records.
+
+        ``loss``/``grad_norm``: the step's loss and total gradient norm as device
+        tensors (``clip_grad_norm_`` returns one), checked for NaN/Inf on the device at
+        every step by the nonfinite monitor (``monitors/step/loss_nonfinite_count``,
+        ``..._first_step``); nothing is read back here.
+
+        Raises :class:`~syncless.monitors.NonFiniteError` under
+        ``on_nonfinite="raise"`` when a readout landed since the last call found a NaN
+        or Inf, after its records reached the run.
         """
+        self._check_values(loss, grad_norm)
         if accumulate:
             self.micro_steps += 1
             return StepRecords()
@@ -140,6 +190,11 @@ class MonitorHandle:
             self._publish(records)
             return records
         self.optimizer_steps += 1
+        self._steps_since_flush += 1
+        if step != self._next_label:
+            self._relabels[float(self._next_label)] = step
+            while len(self._relabels) > RELABELS_KEPT:
+                del self._relabels[next(iter(self._relabels))]
         start = time.perf_counter()
         active = [m.name for m in self.monitors if m.active]
         any_active = bool(active)
@@ -147,10 +202,11 @@ class MonitorHandle:
             self._take_hook_time(step)
         hooks = self._hook_ns.get(step)  # the records' copy may be taken before the end
         wait = not self.lagged if wait is None else wait
+        steps = self._steps_since_flush
         if self._executor is None or wait:
             records = self._collect(block=True)  # earlier steps' first: records stay ordered
-            readouts = self.metrics.flush(step, wait=wait) if any_active else []
-            records.extend(self._records(readouts))
+            landed = self._flush(step, wait, copy=False) if any_active else []
+            records.extend(self._records([self.metrics.decode(x) for x in landed]))
         else:
             # Jobs submitted a step ago and still waiting: no backward came; go now.
             # Otherwise a signal from this step's backward is stale: the new job waits
@@ -159,18 +215,86 @@ class MonitorHandle:
                 self._go.set()
             else:
                 self._go.clear()
-            for landed in self.metrics.flush_landed(step) if any_active else []:
+            for landed in self._flush(step, wait, copy=True) if any_active else []:
                 own = self._own_inputs(landed.step)
                 job = self._executor.submit(self._read_landed, landed, *own)
                 self._inflight.append(job)
             records = self._collect(block=False)
+        if not any_active:
+            for m in self.always_on:
+                m.end_step()  # type: ignore[attr-defined]
         if self.budget is not None:
             flush_ms = (time.perf_counter() - start) * 1e3
-            self.budget.step_end(active, hooks, flush_ms if any_active else 0.0)
+            self.budget.step_end(active, hooks, flush_ms if any_active else 0.0, steps)
+        if self.always_on:
+            self._next_label = step + 1
+            self.metrics.set_step_label(self._next_label)
         self._set_cadence(self.optimizer_steps)
         self._host_ms = (time.perf_counter() - start) * 1e3
-        self._publish(records)
+        self._sound(records, self.metrics.flushes)
         return records
+
+    def _check_values(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None) -> None:
+        if loss is None and grad_norm is None:
+            return
+        if self.nonfinite is None:
+            raise UsageError(
+                "handle.step(loss=, grad_norm=) is checked by the nonfinite monitor, which "
+                "is not attached: add monitors.NonFiniteMonitor(), or drop the arguments"
+            )
+        values = {}
+        for name, x in zip(CHECKED_VALUES, (loss, grad_norm), strict=True):
+            if x is None:
+                continue
+            if not isinstance(x, torch.Tensor):
+                raise UsageError(
+                    f"handle.step({name}=...) needs the device tensor (e.g. loss.detach(), "
+                    f"or what clip_grad_norm_ returns), got {type(x).__name__}: a Python "
+                    "number was read back from the device already, which is the sync "
+                    "syncless exists to avoid"
+                )
+            values[name] = x
+        self.nonfinite.check_values(values)
+
+    def _flush(self, step: int, wait: bool, copy: bool) -> list[Landed]:
+        """The metric set's flush; every landed copy is checked for the alarm here, on
+        the training thread, before any decode."""
+        landed = self.metrics.flush_landed(step, wait=wait, copy=copy)
+        self._steps_since_flush = 0
+        if self.alarm is not None:
+            for x in landed:
+                self.alarm.landed(x)
+        return landed
+
+    def label(self, device_label: float) -> int:
+        """The step label ``step`` was given for a label the device recorded."""
+        return self._relabels.get(device_label, int(device_label))
+
+    def _relabel(self, readout: Readout) -> None:
+        """Step-valued metrics of ``readout`` as ``step`` labelled the steps."""
+        if not self._relabels or self.nonfinite is None or readout.layout is None:
+            return
+        values = readout.flat_values
+        assert values is not None
+        for key in self.nonfinite.step_keys:
+            start, end = readout.layout.slices[key]
+            for i in range(start, end):
+                values[i] = self._relabels.get(float(values[i]), values[i])
+
+    def _sound(self, records: StepRecords, flushes: int | None) -> None:
+        """Publish ``records``; then the alarm's due actions: the readouts they come
+        from reach the run (and its files) first."""
+        due = self.alarm.due(flushes) if self.alarm is not None else []
+        if due and self._executor is not None:
+            records.extend(self._collect(block=True))
+        self._publish(records)
+        if not due:
+            return
+        if self.run is not None:
+            self.run.flush()
+        assert self.alarm is not None
+        for event in due:
+            self.alarm.act(event)
 
     def backward_started(self, grad: torch.Tensor) -> None:
         """Gradient hook (autograd's thread): the readout thread may run now."""
@@ -253,6 +377,7 @@ class MonitorHandle:
         rank = self.run.ranks.rank if self.run else 0
         name = self.run.name if self.run else ""
         now = time.time()
+        self._relabel(r)
         records.extend(r.records(name, rank, now))
         for m in self.monitors:
             derived = self._derive(m, r)
@@ -310,7 +435,12 @@ class MonitorHandle:
         if self._executor is not None:
             self._go.set()
             self._executor.shutdown(wait=True)
-        records.extend(self._records(self.metrics.drain()))
+        drained = self.metrics.drain_landed()
+        if self.alarm is not None:
+            for x in drained:
+                self.alarm.landed(x)
+        records.extend(self._records([self.metrics.decode(x) for x in drained]))
+        due = self.alarm.due(None) if self.alarm is not None else []
         self._publish(records)
         for h in self.ctx.handles:
             h.remove()
@@ -319,4 +449,9 @@ class MonitorHandle:
             m.close()
         if self.budget is not None and self.emit:
             print(self.budget.summary(), file=sys.stderr)
+        if due:  # every rank closes at the same point: act on what is left
+            if self.run is not None:
+                self.run.flush()
+            for event in due:
+                self.alarm.act(event)  # type: ignore[union-attr]
         return records

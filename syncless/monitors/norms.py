@@ -368,10 +368,13 @@ class NormsMonitor:
         out: dict[str, float] = {}
         totals = dict.fromkeys(QUANTITIES, 0.0)
         seen_any = dict.fromkeys(QUANTITIES, False)
+        bad_grads: list[int] = []  # layers whose gradient held a NaN/Inf (or overflowed)
         for layer, keys in self._layer_keys.items():
             sums = _layer_sums(readout, keys)
             if not sums:
                 continue
+            if not math.isfinite(sums.get("grad", 0.0)):
+                bad_grads.append(layer)
             out.update(_norms(f"{AREA}/{layer_scope(layer)}", sums))
             for q, v in sums.items():
                 totals[q] += v
@@ -379,6 +382,9 @@ class NormsMonitor:
         if seen_any["param"]:
             out.update(_norms(f"{AREA}/global", {q: totals[q] for q in QUANTITIES if seen_any[q]}))
             out[f"{AREA}/global/norms_unmonitored_params_count"] = float(self.unmonitored_params)
+        if bad_grads:  # the nonfinite alarm reads the same sums (syncless.monitors.alarm)
+            out[f"{AREA}/step/grad_nonfinite_layers_count"] = float(len(bad_grads))
+            out[f"{AREA}/step/grad_nonfinite_first_layer"] = float(bad_grads[0])
         return out
 
     def close(self) -> None:

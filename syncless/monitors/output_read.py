@@ -10,8 +10,9 @@ per-channel maxima and the NaN/Inf counts in one pass
 and the alert (every layer's count column feeds it by an atomic max in the fold, as
 in the nonfinite monitor's own batch).
 
-Each monitor keeps its own cadence: a step where only one of them is active uses that
-monitor's own batch, through its own callback. The per-layer fallback (see
+The activations monitor keeps its cadence, the nonfinite one records at every step
+(its alarm never sleeps): a step where the activations monitor is inactive uses the
+nonfinite monitor's own batch, through its own callback. The per-layer fallback (see
 ``layer_batch``) runs both monitors' own per-layer launches. The shared hook bills its
 host time to the active monitors (half each when both are).
 """
@@ -44,8 +45,6 @@ def fuse_output_reads(ctx: MonitorContext, monitors: Sequence[Monitor]) -> Layer
     if acts._layers != nonf._layers:
         return None
     own_acts, own_nonf = acts._batch, nonf._batch
-    alert = nonf._alert
-    assert alert is not None, "prepare() declared the alert"
     width = acts._slots[acts._layers[0]].spec.size
 
     def single(layer: int, x):
@@ -56,11 +55,7 @@ def fuse_output_reads(ctx: MonitorContext, monitors: Sequence[Monitor]) -> Layer
         acts._layers,
         SlotGroup(
             ctx.metrics,
-            [
-                c
-                for i in acts._layers
-                for c in (Column(acts._slots[i]), Column(nonf._slots[i], also_max=alert))
-            ],
+            [c for i in acts._layers for c in (Column(acts._slots[i]), nonf.column(i))],
         ),
         view=lambda x: (kernels.rows_view(x),),
         grouped=kernels.output_stats_partials_grouped,
@@ -97,7 +92,7 @@ def _shared_hook(
     ledger = ctx.host_ns
 
     def record(hidden: torch.Tensor) -> None:
-        a, n = acts.active, nonf.active
+        a, n = acts.active, nonf.watching
         if not (a or n):
             return
         if torch.compiler.is_compiling():
