@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None, callbacks: tuple = ()) -> SynclessCallba
     parser.add_argument("--output-dir", default="runs/hf-trainer-output")
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--monitors", default="attention,activations,nonfinite,norms")
+    parser.add_argument(
+        "--on-nonfinite", default="warn", choices=("warn", "raise"),
+        help="raise: a NaN/Inf stops training (the framework's own stop)",
+    )  # fmt: skip
     parser.add_argument("--bf16", action="store_true")
     args = parser.parse_args(argv)
 
@@ -48,7 +52,9 @@ def main(argv: list[str] | None = None, callbacks: tuple = ()) -> SynclessCallba
     )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    syncless_callback = SynclessCallback(monitors=args.monitors, run_dir=args.run_dir)
+    syncless_callback = SynclessCallback(
+        monitors=args.monitors, run_dir=args.run_dir, on_nonfinite=args.on_nonfinite
+    )
     training = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=2,
         gradient_accumulation_steps=args.accumulate, learning_rate=1e-3, max_grad_norm=1.0,

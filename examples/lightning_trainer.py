@@ -41,10 +41,16 @@ def main(argv: list[str] | None = None, callbacks: tuple = ()) -> SynclessCallba
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--monitors", default="attention,activations,nonfinite,norms")
+    parser.add_argument(
+        "--on-nonfinite", default="warn", choices=("warn", "raise"),
+        help="raise: a NaN/Inf stops training (the framework's own stop)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.DataLoader(torch.randint(0, 128, (64, 32), generator=g), batch_size=2)
-    syncless_callback = SynclessCallback(monitors=args.monitors, run_dir=args.run_dir)
+    syncless_callback = SynclessCallback(
+        monitors=args.monitors, run_dir=args.run_dir, on_nonfinite=args.on_nonfinite
+    )
     trainer = lightning.Trainer(
         max_steps=args.steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=1.0,
         accelerator="auto", devices=1, logger=False, enable_checkpointing=False,

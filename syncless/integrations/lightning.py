@@ -14,7 +14,10 @@ budget to the trainer's (torch) optimizer. After every training batch it flushes
 the optimizer stepped (``trainer.global_step`` moved) and otherwise marks a
 gradient-accumulation micro-batch, whose values join the next step's
 (``MonitorHandle.step(..., accumulate=True)``). At fit end it closes both. The
-records' step is the optimizer step, ``global_step - 1``.
+records' step is the optimizer step, ``global_step - 1``. The loss ``training_step``
+returned is checked for NaN/Inf at every batch (on the device); under
+``on_nonfinite="raise"`` a NaN/Inf readout sets ``trainer.should_stop`` (the fit loop
+ends, ``on_fit_end`` closes the run) and keeps the error in ``stopped_by``.
 
 Like the Hugging Face callback, ``monitors/global/grad_norm`` covers the decoder
 layers' gradients after any clipping (``gradient_clip_val``), read in the optimizer's
@@ -67,7 +70,10 @@ class SynclessCallback(MonitorSession, Callback):
             return
         stepped = trainer.global_step != self._steps_seen
         self._steps_seen = trainer.global_step
-        self.handle.step(trainer.global_step - 1, accumulate=not stepped)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        loss = loss.detach() if isinstance(loss, torch.Tensor) else None
+        if self.step(trainer.global_step - 1, accumulate=not stepped, loss=loss):
+            trainer.should_stop = True  # on_nonfinite="raise": the fit loop ends cleanly
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self.close()

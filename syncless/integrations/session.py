@@ -6,12 +6,14 @@ mixes this in.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
 from syncless.errors import UsageError
-from syncless.monitors import MonitorHandle, attach, build, parse_names
+from syncless.monitors import MonitorHandle, NonFiniteError, attach, build, parse_names
+from syncless.monitors.alarm import Action, check_action
 from syncless.monitors.budget import DEFAULT_BUDGET
 from syncless.run import Run
 
@@ -40,7 +42,10 @@ class MonitorSession:
     """``monitors``: ``"all"`` or a comma list (``syncless.monitors.build``);
     ``run_dir``: the run directory (default ``runs/<time>-<run_name>``); ``budget``:
     the share of the step the monitors may cost (``None``: fixed cadences);
-    ``every``: the fastest cadence (default: each monitor's own).
+    ``every``: the fastest cadence (default: each monitor's own); ``on_nonfinite``:
+    the nonfinite alarm's action (``attach``'s): under ``"raise"`` the callback stops
+    training through the framework's own mechanism and keeps the error in
+    ``stopped_by``, and the run directory is closed as after any training end.
 
     ``run`` and ``handle`` exist from ``open`` on; after ``close`` the handle is kept,
     closed: its counters and last readouts stay readable."""
@@ -54,12 +59,15 @@ class MonitorSession:
         run_name: str | None = None,
         budget: float | None = DEFAULT_BUDGET,
         every: int | None = None,
+        on_nonfinite: Action = "warn",
     ) -> None:
         self.monitors = parse_names(monitors)  # a clear error now, not at train begin
         self.run_dir, self.budget, self.every = run_dir, budget, every
+        self.on_nonfinite = check_action(on_nonfinite)
         self.run_name = run_name or type(self).run_name
         self.run: Run | None = None
         self.handle: MonitorHandle | None = None
+        self.stopped_by: NonFiniteError | None = None
 
     def open(
         self,
@@ -74,10 +82,29 @@ class MonitorSession:
             )
         self.run = Run(name=self.run_name, run_dir=self.run_dir, config=config)
         built = build(self.monitors, optimizer=optimizer, every=self.every)
-        self.handle = attach(model, built, run=self.run, budget=self.budget)
+        self.handle = attach(
+            model, built, run=self.run, budget=self.budget, on_nonfinite=self.on_nonfinite
+        )
+
+    def step(self, step: int, **kwargs: Any) -> bool:
+        """``handle.step``; True when the alarm raised: the framework should stop (every
+        rank gets it at the same step: syncless.monitors.alarm)."""
+        assert self.handle is not None
+        try:
+            self.handle.step(step, **kwargs)
+        except NonFiniteError as e:
+            self.stopped_by = e
+            print(f"syncless: stopping training: {e}", file=sys.stderr)
+            return True
+        return False
 
     def close(self) -> None:
-        if self.handle is not None:
-            self.handle.close()
-        if self.run is not None:
-            self.run.close()
+        try:
+            if self.handle is not None:
+                self.handle.close()
+        except NonFiniteError as e:  # the last readout's: training has ended anyway
+            self.stopped_by = self.stopped_by or e
+            print(f"syncless: {e}", file=sys.stderr)
+        finally:
+            if self.run is not None:
+                self.run.close()

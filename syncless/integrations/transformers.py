@@ -12,7 +12,10 @@ At train begin it unwraps what Accelerate wrapped (the model's ``module``, the
 norms monitor hooks), opens a ``Run`` and attaches the monitors with their overhead
 budget; at each step end, after the optimizer step, it flushes once (the Trainer calls
 ``on_step_end`` once per optimizer step, after all gradient-accumulation micro-batches,
-whose values join the step's); at train end it closes both.
+whose values join the step's); at train end it closes both. Under
+``on_nonfinite="raise"`` a NaN/Inf readout stops training through
+``control.should_training_stop`` (the Trainer ends the loop and calls
+``on_train_end``, which closes the run); the error is kept in ``stopped_by``.
 
 Definitions differ from the Trainer's own logs: ``monitors/global/grad_norm`` is the
 norm of the decoder layers' gradients *after* the Trainer's clipping (the norms monitor
@@ -38,8 +41,10 @@ class SynclessCallback(MonitorSession, TrainerCallback):
         self.open(unwrap_model(model), unwrap_optimizer(optimizer), config)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.handle is not None:
-            self.handle.step(state.global_step - 1)  # global_step counts finished steps
+        # global_step counts finished steps; the Trainer hands callbacks neither the
+        # loss nor the gradient norm as tensors: the layer outputs and norms are checked
+        if self.handle is not None and self.step(state.global_step - 1):
+            control.should_training_stop = True  # on_nonfinite="raise"
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()

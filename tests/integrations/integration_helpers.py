@@ -52,3 +52,20 @@ def assert_layer_norms(run_dir, truth: list[tuple[float, float]]) -> None:
         param, grad = truth[step]
         assert math.isclose(got[step, "param_norm"], param, rel_tol=1e-5)
         assert math.isclose(got[step, "grad_norm"], grad, rel_tol=1e-5)
+
+
+class NanFrom:
+    """A forward pre-hook that puts NaN into ``layer``'s input from optimizer step
+    ``at`` on (``step`` is advanced by the framework's callback): the layer's output,
+    the loss and everything after go nonfinite, as in a diverged run."""
+
+    def __init__(self, layer: torch.nn.Module, at: int) -> None:
+        self.at, self.step = at, 0
+        layer.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        if self.step < self.at:
+            return None
+        x = args[0].clone()
+        x[..., 0] = float("nan")
+        return (x, *args[1:])

@@ -45,3 +45,31 @@ def test_the_callback_records_every_optimizer_steps_norms(tmp_path):
             "WHERE name = 'monitors/global/attn_qk_logit_max'"
         )
     assert attention[0][0] >= 1
+
+
+class _Planter(transformers.TrainerCallback):
+    """NaN into decoder layer 1's input from optimizer step 2 on."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from integration_helpers import NanFrom
+
+        self.nan = NanFrom(model.model.layers[1], at=2)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.nan.step = state.global_step  # the next step's label
+
+
+def test_on_nonfinite_raise_stops_the_trainer_cleanly(tmp_path):
+    argv = ["--steps", "20", "--accumulate", "1", "--output-dir", str(tmp_path / "out"),
+            "--run-dir", str(tmp_path / "run"), "--on-nonfinite", "raise"]  # fmt: skip
+    callback = load_example("hf_trainer").main(argv, callbacks=(_Planter(),))
+    event = callback.stopped_by.event
+    assert (event.first_step, event.first_layer) == (2, 1)
+    # stopped through control.should_training_stop, well before max_steps
+    assert 2 < callback.handle.optimizer_steps < 20
+    assert callback.handle._closed
+    with open_run(callback.run.dir) as store:
+        _, rows = store.query(
+            "SELECT min(value) FROM metrics WHERE name = 'monitors/step/nonfinite_first_step'"
+        )
+    assert rows[0][0] == 2
