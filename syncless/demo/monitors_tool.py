@@ -15,8 +15,10 @@ class MonitorsTool:
         self.every = every
         self.budget = budget
         self.handle: MonitorHandle | None = None
+        self.ctx: DemoContext | None = None
 
     def attach(self, ctx: DemoContext) -> None:
+        self.ctx = ctx
         monitors = build(
             self.names,
             optimizer=ctx.optimizer,
@@ -31,8 +33,11 @@ class MonitorsTool:
     def step_enqueued(self, step: int) -> None:
         # Before the loss read-back: the flush is lagged (it reads the previous step's
         # copy), so its host work overlaps the device's backward and optimizer tail.
-        assert self.handle is not None
-        self.handle.step(step)
+        assert self.handle is not None and self.ctx is not None
+        if self.handle.nonfinite is not None:  # the alarm checks the loss and grad norm
+            self.handle.step(step, **self.ctx.checked)
+        else:
+            self.handle.step(step)
 
     def step_end(self, step: int) -> None:
         pass

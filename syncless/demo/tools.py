@@ -7,7 +7,7 @@ change the workload except through what it measures.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -36,6 +36,9 @@ class DemoContext:
     profiler: Any = None
     # step -> (inputs, targets) on the host; a data-plane tool routes it through a store.
     batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # The step's loss and global gradient norm, device tensors, set before
+    # ``step_enqueued``: the monitors' nonfinite alarm checks them on the device.
+    checked: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class DemoTool(Protocol):

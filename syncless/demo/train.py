@@ -213,6 +213,7 @@ def _train_in(
             optimizer.zero_grad(set_to_none=True)
         lr = schedule.get_last_lr()[0]
         schedule.step()
+        demo_ctx.checked = {"loss": loss.detach(), "grad_norm": grad_norm}
         for tool in tools:
             enqueued = getattr(tool, "step_enqueued", None)  # optional (tools.py)
             if enqueued is not None:
