@@ -14,7 +14,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +239,9 @@ class Workload:
     build_s: float
     loss: Callable[[], torch.Tensor] | None = None
     """The step's loss, for models that are not Hugging Face's (bench/stack_models.py)."""
+    checked: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The last step's loss and gradient norm as device tensors: what a loop hands to
+    ``handle.step(step, loss=, grad_norm=)`` (the nonfinite alarm checks them)."""
 
 
 def build_workload(spec: ModelSpec, device: torch.device) -> Workload:
@@ -277,8 +280,9 @@ def train_step(work: Workload, prof: Any = OFF, flush: Callable[[], None] | None
     with prof.section("backward"):
         loss.backward()
     with prof.section("optimizer"):
-        torch.nn.utils.clip_grad_norm_(work.params, 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(work.params, 1.0)
         work.optimizer.step()
+    work.checked = {"loss": loss.detach(), "grad_norm": norm}
     if flush is not None:
         flush()  # where a real loop flushes its monitors; the gradients are still there
     work.optimizer.zero_grad(set_to_none=True)

@@ -7,7 +7,9 @@ is a Hugging Face model built from its config (random weights, sdpa attention, b
 autocast over float32 parameters, fused AdamW, grad clipping, one loss read per step).
 
 Measured per model, in one process: the monitor stack with its overhead budget, each
-monitor alone at every step, the section profiler, and a naive-hook baseline
+monitor alone at every step, the nonfinite alarm alone as the stack runs it (``alarm``:
+checked every step, read at the budget's cadence), the section profiler, and a
+naive-hook baseline
 (bench/naive_monitors.py), against ``off``. Modes run in segments, interleaved A/B: in
 each round every mode runs one segment, in an order rotated by the round. A mode's
 overhead in a round is its mean step time over the ``off`` segment's of that round;
@@ -53,6 +55,7 @@ from segments import (
     Segment,
     attach_kwargs,
     measure,
+    monitor_step,
     open_stack,
     round_overheads,
     run_segment,
@@ -104,9 +107,14 @@ def open_segment(mode: str, state: ProfiledState) -> Segment:
     if mode == "naive":
         naive = NaiveMonitors(find_layers(work.model))
         return Segment(flush=lambda step: naive.norms(work.model), close=naive.close)
-    monitors = build([mode], optimizer=work.optimizer, every=1)
-    handle = attach(work.model, monitors, **attach_kwargs(None))
-    return Segment(flush=handle.step, close=handle.close)
+    if mode == "alarm":
+        # The nonfinite alarm as the default stack runs it: its check at every step,
+        # its readout at the budget's cadence (issue #35's cost target: <= 0.3%).
+        handle = attach(work.model, build(["nonfinite"]), **attach_kwargs(state.budget))
+    else:  # one monitor at every step, flushed every step
+        monitors = build([mode], optimizer=work.optimizer, every=1)
+        handle = attach(work.model, monitors, **attach_kwargs(None))
+    return Segment(flush=partial(monitor_step, handle, work), close=handle.close)
 
 
 def segment_lengths(args: argparse.Namespace, mode: str) -> tuple[int, int]:
@@ -118,7 +126,7 @@ def segment_lengths(args: argparse.Namespace, mode: str) -> tuple[int, int]:
 
 def modes_for(spec: ModelSpec, wanted: list[str]) -> list[str]:
     monitors = [m for m in MONITORS if m != "moe" or spec.experts]
-    applicable = ["off", "stack", *monitors, "profile", "naive"]
+    applicable = ["off", "stack", *monitors, "alarm", "profile", "naive"]
     return [m for m in applicable if m in wanted]
 
 
@@ -214,7 +222,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     default_models = [n for n in names if n != "demo-large"]  # the demo: on request
     parser.add_argument("--models", default=",".join(default_models), help=f"comma list of {names}")
-    default_modes = ["off", "stack", *MONITORS, "profile", "naive"]
+    default_modes = ["off", "stack", *MONITORS, "alarm", "profile", "naive"]
     parser.add_argument("--modes", default=",".join(default_modes), help="comma list")
     parser.add_argument("--layers8b", type=int, default=6, help="layers of llama3-8b-layers")
     parser.add_argument("--rounds", type=int, help="default 4 (--tiny: 2)")

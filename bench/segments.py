@@ -25,6 +25,8 @@ from syncless.monitors import MONITORS, attach, build
 from syncless.profile import OFF
 
 HAS_BUDGET = "budget" in inspect.signature(attach).parameters
+# handle.step(step, loss=, grad_norm=): the nonfinite alarm's every-step checks (#35)
+HAS_CHECKS = "on_nonfinite" in inspect.signature(attach).parameters
 
 Rounds = list[dict[str, list[float]]]
 """Per round: each mode's wall seconds per timed step."""
@@ -70,8 +72,17 @@ def stack_label(budget: float) -> str:
     return f"stack (budget {budget:g})" if HAS_BUDGET else "stack (no budget: attach lacks it)"
 
 
+def monitor_step(handle: Any, work: Workload, step: int) -> None:
+    """``handle.step`` as a user's loop calls it: with the step's loss and gradient
+    norm (device tensors) where the nonfinite monitor is attached to check them."""
+    if HAS_CHECKS and getattr(handle, "nonfinite", None) is not None:
+        handle.step(step, **work.checked)
+    else:
+        handle.step(step)
+
+
 def stack_flush(handle: Any, state: ModelState, step: int) -> None:
-    handle.step(step)
+    monitor_step(handle, state.work, step)
     for record in handle.last_records:
         if record.name.startswith("monitors/self/"):
             state.self_records.setdefault(record.name, []).append(record.value)
