@@ -22,10 +22,10 @@ from collections import defaultdict
 import torch
 from hf_models import build_workload, model_specs, train_step
 from results import append_result
-from segments import attach_kwargs
+from segments import attach_kwargs, monitor_step
 from torch.profiler import ProfilerActivity, profile
 
-from syncless.monitors import MONITORS, attach, build
+from syncless.monitors import attach, build
 
 
 def kernel_times(prof: profile) -> dict[str, float]:
@@ -41,7 +41,8 @@ def run_steps(work, handle, step: int, steps: int, walls: list[float]) -> int:
     for _ in range(steps):
         s = step
         start = time.perf_counter()
-        train_step(work, flush=(lambda s=s: handle.step(s)) if handle is not None else None)
+        flush = (lambda s=s: monitor_step(handle, work, s)) if handle is not None else None
+        train_step(work, flush=flush)
         walls.append(time.perf_counter() - start)
         step += 1
     return step
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=60)
     parser.add_argument("--steps", type=int, default=24, help="profiled steps per mode")
     parser.add_argument("--budget", type=float, default=0.01)
+    parser.add_argument("--monitors", default="all", help="all, or a comma list")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
@@ -60,13 +62,13 @@ def main() -> None:
     work = build_workload(model_specs()[args.model], torch.device("cuda"))
     handle = attach(
         work.model,
-        build(list(MONITORS), optimizer=work.optimizer),
+        build(args.monitors, optimizer=work.optimizer),
         **attach_kwargs(args.budget),
     )
     step = 0
     for _ in range(args.warmup):
         s = step
-        train_step(work, flush=lambda s=s: handle.step(s))
+        train_step(work, flush=lambda s=s: monitor_step(handle, work, s))
         step += 1
     # The handle cannot pause: the stack's steps come first, then it is closed and the
     # same number of steps run bare. Device time per kernel barely drifts between them.
@@ -98,7 +100,7 @@ def main() -> None:
     print("cadences:", cadences)
     share = statistics.median(selfcost) if selfcost else float("nan")
     line = (
-        f"{args.model}, stack (budget {args.budget:g}) vs paused, {n} profiled steps each "
+        f"{args.model}, monitors {args.monitors} (budget {args.budget:g}) vs paused, {n} profiled steps each "
         f"after {args.warmup} warm-up, then {n} bare: device time "
         f"{total_on:.2f} vs {total_off:.2f} ms/step ({(total_on / total_off - 1) * 100:+.2f}%), "
         f"wall median {wall_on * 1e3:.1f} vs {wall_off * 1e3:.1f} ms "
