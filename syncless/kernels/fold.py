@@ -23,7 +23,10 @@ import triton.language as tl
 from syncless.hot_path import hot_path
 
 _BLOCK_N = 128
-_BLOCK_P = 16
+# Partials per tile (rows x columns). Few columns get taller tiles: the nonfinite
+# alarm's fold of 12 layers read [P, 12] 16 rows at a time in one program, 58 us of a
+# qwen3-1.7b step on the H200 (bench/RESULTS.md, stack_profile at d8c6cb4).
+_TILE = 2048
 
 
 # Sizes that change with the batch are not specialised (Triton would compile a variant
@@ -98,10 +101,11 @@ def fold(
 ) -> None:
     """Reduce ``partials`` ``[P, N]`` over P and fold them into ``buffer`` (1 launch)."""
     n_cols = table.shape[1]
-    grid = (triton.cdiv(n_cols, _BLOCK_N),)
+    block_n = min(_BLOCK_N, max(16, triton.next_power_of_2(n_cols)))
+    grid = (triton.cdiv(n_cols, block_n),)
     # n_samples as a float: an int argument would be specialised (== 1, % 16) and
     # recompile the kernel for a few batch sizes.
     _fold_kernel[grid](
         partials, table, buffer, gate, step, partials.shape[0], n_cols, float(n_samples),
-        BLOCK_P=_BLOCK_P, BLOCK_N=_BLOCK_N,
+        BLOCK_P=_TILE // block_n, BLOCK_N=block_n,
     )  # fmt: skip
