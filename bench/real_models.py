@@ -56,6 +56,7 @@ from segments import (
     attach_kwargs,
     measure,
     monitor_step,
+    open_kept,
     open_stack,
     round_overheads,
     run_segment,
@@ -109,17 +110,17 @@ def open_segment(mode: str, state: ProfiledState) -> Segment:
         return Segment(flush=lambda step: naive.norms(work.model), close=naive.close)
     if mode == "alarm":
         # The nonfinite alarm as the default stack runs it: its check at every step,
-        # its readout at the budget's cadence (issue #35's cost target: <= 0.3%).
-        handle = attach(work.model, build(["nonfinite"]), **attach_kwargs(state.budget))
-    else:  # one monitor at every step, flushed every step
-        monitors = build([mode], optimizer=work.optimizer, every=1)
-        handle = attach(work.model, monitors, **attach_kwargs(None))
+        # its readout at the budget's cadence (issue #35's cost target: <= 0.3%); one
+        # handle paused between segments, like the stack's.
+        return open_kept(state, mode, ["nonfinite"])
+    monitors = build([mode], optimizer=work.optimizer, every=1)  # flushed every step
+    handle = attach(work.model, monitors, **attach_kwargs(None))
     return Segment(flush=partial(monitor_step, handle, work), close=handle.close)
 
 
 def segment_lengths(args: argparse.Namespace, mode: str) -> tuple[int, int]:
     """Untimed and timed steps of a segment of ``mode``."""
-    if mode == "stack":
+    if mode in ("stack", "alarm"):  # budgeted: a settled budget's steps
         return args.stack_warmup, args.stack_seg
     return args.warmup, args.seg
 

@@ -53,6 +53,8 @@ class ModelState:
     step: int = 0
     stack: Any = None
     """The stack's handle, kept across segments when it can pause."""
+    kept: dict[str, Any] = field(default_factory=dict)
+    """Other budgeted handles kept across segments (paused between), by mode."""
     handle: Any = None
     """The handle of the last stack segment opened."""
     self_records: dict[str, list[float]] = field(default_factory=dict)
@@ -106,6 +108,20 @@ def open_stack(state: ModelState) -> Segment:
     state.handle = handle
     close = handle.pause if state.stack is handle else handle.close
     return Segment(flush=partial(stack_flush, handle, state), close=close)
+
+
+def open_kept(state: ModelState, mode: str, names: list[str]) -> Segment:
+    """Monitors ``names`` under the state's budget, one handle for every segment of
+    ``mode``, paused between them: what a long run pays once its budget has settled,
+    not a budget's first steps again in each segment (its timed steps, a calibration)."""
+    work = state.work
+    handle = state.kept.get(mode)
+    if handle is None:
+        monitors = build(names, optimizer=work.optimizer)
+        handle = state.kept[mode] = attach(work.model, monitors, **attach_kwargs(state.budget))
+    else:
+        handle.resume()
+    return Segment(flush=partial(monitor_step, handle, work), close=handle.pause)
 
 
 def stack_note(state: ModelState) -> str:
@@ -213,4 +229,6 @@ def measure(
         print(f"  round {r}: {last_round_s:.0f} s; {line}")
     if state.stack is not None:
         state.stack.close()
+    for handle in state.kept.values():
+        handle.close()
     return done, failed
