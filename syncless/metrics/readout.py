@@ -266,6 +266,8 @@ def _summaries(
                 continue
             reduce = {"mean": np.mean, "sum": np.sum, "max": np.max, "min": np.min}[kind]
             out.append(np.array([reduce(chosen)]))
+    if not out:  # nothing declared (e.g. only monitors with nothing to watch)
+        return np.zeros(0), np.zeros(0, dtype=bool)
     return np.concatenate(out), np.concatenate(has)
 
 

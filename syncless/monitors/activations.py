@@ -24,6 +24,7 @@ from syncless import kernels
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot
 from syncless.metrics.slot_group import Column, SlotGroup
+from syncless.monitors.adapters import ModelMap
 from syncless.monitors.base import AREA, MonitorContext, check_every
 from syncless.monitors.layer_batch import LayerBatch, launch_mode
 
@@ -68,6 +69,10 @@ class ActivationsMonitor:
         """Read each output for ``partner`` too, through ``batch``, on steps where it is
         active as well (``syncless.monitors.output_read``)."""
         self._shared, self._partner = batch, partner
+
+    def nothing_to_watch(self, model: ModelMap) -> str | None:
+        """Why this model gives the monitor nothing to record, or None."""
+        return None if model.layers else "no transformer block the adapter found"
 
     def prepare(self, ctx: MonitorContext) -> None:
         width = ctx.model.d_model

@@ -13,14 +13,15 @@ from torch import nn
 
 from syncless.errors import UsageError
 from syncless.metrics import MetricSet
-from syncless.monitors.adapters import find_layers
+from syncless.monitors.adapters import ModelMap, find_layers
 from syncless.monitors.alarm import Action, check_action
 from syncless.monitors.base import Monitor, MonitorContext, compiled_and_run
 from syncless.monitors.budget import DEFAULT_BUDGET, Budget
+from syncless.monitors.failures import Failures
 from syncless.monitors.handle import MonitorHandle
 from syncless.monitors.nonfinite import NonFiniteMonitor
 from syncless.monitors.output_read import fuse_output_reads
-from syncless.monitors.ranks import check_same_monitors
+from syncless.monitors.ranks import check_same_monitors, idle_on_every_rank
 from syncless.recompute import recomputing
 from syncless.run import Run
 
@@ -96,7 +97,14 @@ def attach(
         if strict:
             raise UsageError(message)
         print(f"syncless: warning: {message}", file=sys.stderr)
-    ctx = MonitorContext(model_map, MetricSet(group), roots)
+    idle = idle_on_every_rank(_nothing_to_watch(monitors, model_map), group)
+    is_main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if idle and is_main:
+        print(_idle_line(idle, roots), file=sys.stderr)
+    monitors = [m for m in monitors if m.name not in idle]
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    failures = Failures(strict, rank)
+    ctx = MonitorContext(model_map, MetricSet(group), roots, failures=failures)
     if budget is not None:
         always_on = [m.name for m in monitors if getattr(m, "always_on", False)]
         ctx.budget = Budget(
@@ -105,10 +113,12 @@ def attach(
     for m in monitors:
         m.prepare(ctx)
     ctx.metrics.allocate(device)
+    owners: dict[int, str] = {}
     for m in monitors:
+        first = len(ctx.handles)
         m.attach(ctx)
+        owners.update((id(h), f"{m.name}_hook") for h in ctx.handles[first:])
     fuse_output_reads(ctx, monitors)
-    is_main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     if background is None:
         background = lagged and torch.device(device).type == "cuda"
     handle = MonitorHandle(
@@ -121,10 +131,41 @@ def attach(
         background=background,
         on_nonfinite=on_nonfinite,
     )
+    handle.idle = idle
     if background and model_map.layers:
         hook = _backward_signal(handle)
         ctx.handles.append(model_map.layers[-1].block.register_forward_hook(hook))
+        owners[id(ctx.handles[-1])] = "readout_signal_hook"
+    # The adapters' hook code too, not only the monitors' callbacks (MonitorContext.timed).
+    for h in ctx.handles:
+        failures.guard_hooks([h], owners.get(id(h), "output_hook"))
     return handle
+
+
+def _nothing_to_watch(monitors: Sequence[Monitor], model_map: ModelMap) -> dict[str, str]:
+    """Monitors that find nothing to watch in this rank's layers, and why."""
+    idle = {}
+    for m in monitors:
+        check = getattr(m, "nothing_to_watch", None)  # optional for user monitors
+        reason = check(model_map) if check is not None else None
+        if reason:
+            idle[m.name] = reason
+    return idle
+
+
+def _idle_line(idle: dict[str, str], roots: list[nn.Module]) -> str:
+    model = "+".join(dict.fromkeys(type(r).__name__ for r in roots))
+    if len(idle) == 1:
+        ((name, why),) = idle.items()
+        return (
+            f"syncless: monitor {name} has nothing to watch in {model} ({why}) and "
+            "records nothing (MonitorHandle.idle)"
+        )
+    found = "; ".join(f"{name}: {why}" for name, why in idle.items())
+    return (
+        f"syncless: monitors {', '.join(idle)} have nothing to watch in {model} ({found}) "
+        "and record nothing (MonitorHandle.idle)"
+    )
 
 
 def _backward_signal(handle: MonitorHandle):

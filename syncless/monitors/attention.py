@@ -31,7 +31,7 @@ from syncless.errors import UsageError
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot
 from syncless.metrics.slot_group import Column, SlotGroup
-from syncless.monitors.adapters import AttentionSite, Rotary
+from syncless.monitors.adapters import AttentionSite, ModelMap, Rotary
 from syncless.monitors.attention_stats import (
     DEFAULT_FUSED_MAX_ELEMENTS,
     DEFAULT_MAX_ELEMENTS,
@@ -88,6 +88,12 @@ class AttentionMonitor:
         self._recorders: dict[int, _LayerRecorder] = {}  # the layers this rank holds
         self._groups: list[_HeadGroup] = []  # derive's tables, over every rank's layers
         self._frac: Slot | None = None
+
+    def nothing_to_watch(self, model: ModelMap) -> str | None:
+        """Why this model gives the monitor nothing to record, or None."""
+        if model.attention:
+            return None
+        return "no attention module whose q and k the adapter can read"
 
     def prepare(self, ctx: MonitorContext) -> None:
         for site in ctx.model.attention:

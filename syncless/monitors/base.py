@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from syncless.metrics import MetricSet, Readout
 from syncless.monitors.adapters import LayerSite, ModelMap
 from syncless.monitors.budget import Budget
+from syncless.monitors.failures import Failures
 from syncless.monitors.layer_batch import LayerBatch
 from syncless.recompute import recomputing
 
@@ -73,6 +74,8 @@ class MonitorContext:
     recompute_skips: dict[str, int] = field(default_factory=dict)
     # A hook was traced by torch.compile (the budget then aligns cadences).
     compiled: bool = False
+    # Exceptions caught in hooks (and, through the handle, in step, readout and close).
+    failures: Failures = field(default_factory=Failures)
 
     def timed(self, monitor: str, hook: Callable[..., Any]) -> Callable[..., Any]:
         """``hook`` billing its host time to ``monitor`` (two clock reads, ~0.1 us).
@@ -80,7 +83,9 @@ class MonitorContext:
         The stack reports its own cost (``monitors/self/<name>_hook_host_ms``): on a
         host-bound step that is what it adds, read without step-time noise. On the
         steps the budget times ``monitor`` (``Budget.timing``), a pair of timing events
-        around the call measures its device work too.
+        around the call measures its device work too. An exception from ``hook`` is
+        counted (``monitors/self/<name>_hook_errors_count``), not raised into the
+        model's forward (syncless.monitors.failures).
         """
         ledger = self.host_ns
         ledger.setdefault(monitor, 0)
@@ -88,6 +93,7 @@ class MonitorContext:
         skips.setdefault(monitor, 0)
         clock = time.perf_counter_ns
         ctx = self
+        place = f"{monitor}_hook"
 
         def billed(*args: Any, **kwargs: Any) -> Any:
             if torch.compiler.is_compiling():
@@ -100,12 +106,17 @@ class MonitorContext:
                 return None
             start = clock()
             budget = ctx.budget
-            span = budget.begin() if budget is not None and monitor in budget.timing else None
             try:
-                return hook(*args, **kwargs)
+                if budget is None or monitor not in budget.timing:
+                    return hook(*args, **kwargs)
+                span = budget.begin()
+                out = hook(*args, **kwargs)
+                budget.end(monitor, span)  # not reached on failure: a span left open
+                return out
+            except Exception as e:
+                ctx.failures.failed(place, e)
+                return None
             finally:
-                if span is not None:
-                    budget.end(monitor, span)  # type: ignore[union-attr]
                 ledger[monitor] += clock() - start
 
         return billed

@@ -75,7 +75,13 @@ class MonitorHandle:
         self.last_records: Sequence[StepRecord] = []
         self.readouts: list[Readout] = []  # the most recent flush's readouts
         self.strict = strict
-        self.derive_errors: dict[str, int] = {}
+        # Exceptions caught in hooks, step, readouts and close (shared with the hooks).
+        self.failures = ctx.failures
+        self.failures.strict = strict
+        self._failures_in_records = 0  # the count the latest records carry
+        # Monitors attach() left out: nothing to watch in this model (name -> why).
+        self.idle: dict[str, str] = {}
+        self._last_step: int | None = None
         self._host_ms = 0.0
         # Host ns each monitor's hooks spent up to a flush, by flushed step (lagged like
         # the values they ride with), and in total since attach.
@@ -91,7 +97,6 @@ class MonitorHandle:
         self._inflight: deque[Future[tuple[Readout, StepRecords]]] = deque()
         # Set when a backward starts (or at the next step): the readout thread may run.
         self._go = threading.Event()
-        self.readout_errors = 0
         self.readout_host_ns_total = 0  # the readout thread's, when ``background``
         self.budget = ctx.budget
         self.optimizer_steps = 0  # step calls that were optimizer steps (cadences count them)
@@ -115,6 +120,11 @@ class MonitorHandle:
             else None
         )
         self._set_cadence(0)
+
+    @property
+    def readout_errors(self) -> int:
+        """Readouts that failed (decode, records), counted and not raised."""
+        return self.failures.counts.get("readout", 0)
 
     @property
     def cadences(self) -> dict[str, int]:
@@ -181,14 +191,28 @@ class MonitorHandle:
         ``on_nonfinite="raise"`` when a readout landed since the last call found a NaN
         or Inf, after its records reached the run.
         """
-        self._check_values(loss, grad_norm)
+        values = self._checked_values(loss, grad_norm)
+        try:
+            records = self._step(step, wait, accumulate, values)
+        except Exception as e:  # syncless's own failure: the training step goes on
+            self.failures.failed("step", e)
+            records = StepRecords()
+            self._arm_next(step)
+        self._sound(records, self.metrics.flushes)
+        return records
+
+    def _step(
+        self, step: int, wait: bool | None, accumulate: bool, values: dict[str, torch.Tensor]
+    ) -> StepRecords:
+        if values:
+            assert self.nonfinite is not None
+            self.nonfinite.check_values(values)
         if accumulate:
             self.micro_steps += 1
             return StepRecords()
         if self.paused:  # readouts of steps before the pause still land, and go out
-            records = self._collect(block=False)
-            self._publish(records)
-            return records
+            return self._collect(block=False)
+        self._last_step = step
         self.optimizer_steps += 1
         self._steps_since_flush += 1
         if step != self._next_label:
@@ -206,7 +230,7 @@ class MonitorHandle:
         if self._executor is None or wait:
             records = self._collect(block=True)  # earlier steps' first: records stay ordered
             landed = self._flush(step, wait, copy=False) if any_active else []
-            records.extend(self._records([self.metrics.decode(x) for x in landed]))
+            records.extend(self._read_here(landed))
         else:
             # Jobs submitted a step ago and still waiting: no backward came; go now.
             # Otherwise a signal from this step's backward is stale: the new job waits
@@ -226,17 +250,25 @@ class MonitorHandle:
         if self.budget is not None:
             flush_ms = (time.perf_counter() - start) * 1e3
             self.budget.step_end(active, hooks, flush_ms if any_active else 0.0, steps)
+        self._arm_next(step)
+        self._host_ms = (time.perf_counter() - start) * 1e3
+        return records
+
+    def _arm_next(self, step: int) -> None:
+        """The device's label and every monitor's cadence for the next step (also after
+        a failed step: a monitor left active would record at every step from then on)."""
         if self.always_on:
             self._next_label = step + 1
             self.metrics.set_step_label(self._next_label)
         self._set_cadence(self.optimizer_steps)
-        self._host_ms = (time.perf_counter() - start) * 1e3
-        self._sound(records, self.metrics.flushes)
-        return records
 
-    def _check_values(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None) -> None:
+    def _checked_values(
+        self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """``step``'s ``loss``/``grad_norm`` by name; a ``UsageError`` for what the
+        nonfinite monitor cannot check without a sync."""
         if loss is None and grad_norm is None:
-            return
+            return {}
         if self.nonfinite is None:
             raise UsageError(
                 "handle.step(loss=, grad_norm=) is checked by the nonfinite monitor, which "
@@ -254,7 +286,7 @@ class MonitorHandle:
                     "syncless exists to avoid"
                 )
             values[name] = x
-        self.nonfinite.check_values(values)
+        return values
 
     def _flush(self, step: int, wait: bool, copy: bool) -> list[Landed]:
         """The metric set's flush; every landed copy is checked for the alarm here, on
@@ -283,18 +315,20 @@ class MonitorHandle:
 
     def _sound(self, records: StepRecords, flushes: int | None) -> None:
         """Publish ``records``; then the alarm's due actions: the readouts they come
-        from reach the run (and its files) first."""
-        due = self.alarm.due(flushes) if self.alarm is not None else []
-        if due and self._executor is not None:
-            records.extend(self._collect(block=True))
-        self._publish(records)
-        if not due:
+        from reach the run (and its files) first. The actions run outside the guard:
+        ``NonFiniteError`` and a user callable's exceptions are the user's."""
+        try:
+            due = self.alarm.due(flushes) if self.alarm is not None else []
+            if due and self._executor is not None:
+                records.extend(self._collect(block=True))
+            self._publish(records)
+            if due and self.run is not None:
+                self.run.flush()
+        except Exception as e:
+            self.failures.failed("step", e)
             return
-        if self.run is not None:
-            self.run.flush()
-        assert self.alarm is not None
         for event in due:
-            self.alarm.act(event)
+            self.alarm.act(event)  # type: ignore[union-attr]
 
     def backward_started(self, grad: torch.Tensor) -> None:
         """Gradient hook (autograd's thread): the readout thread may run now."""
@@ -337,12 +371,7 @@ class MonitorHandle:
             try:
                 readout, done = self._inflight.popleft().result()
             except Exception as e:
-                if self.strict:
-                    raise
-                self.readout_errors += 1
-                if self.readout_errors == 1:
-                    print(f"syncless: monitor readout failed ({e!r}); counting further "
-                          "failures", file=sys.stderr)  # fmt: skip
+                self.failures.failed("readout", e)
                 continue
             self.readouts = [readout]
             records.extend(done)
@@ -357,12 +386,21 @@ class MonitorHandle:
             self.hook_host_ns_total[name] = self.hook_host_ns_total.get(name, 0) + ns
             ledger[name] = 0
 
-    def _records(self, readouts: list[Readout]) -> StepRecords:
-        """Records of readouts decoded on this thread (no readout thread, or ``wait``)."""
+    def _read_here(self, landed: Sequence[Landed]) -> StepRecords:
+        """Decode and record ``landed`` on this thread (no readout thread, or ``wait``);
+        a readout that fails is counted and skipped."""
         records = StepRecords()
-        for r in readouts:
-            records.extend(self._readout_records(r, *self._own_inputs(r.step)))
-        self.readouts = readouts
+        readouts = []
+        for x in landed:
+            try:
+                r = self.metrics.decode(x)
+                records.extend(self._readout_records(r, *self._own_inputs(r.step)))
+            except Exception as e:
+                self.failures.failed("readout", e)
+                continue
+            readouts.append(r)
+        if readouts:
+            self.readouts = readouts
         return records
 
     def _readout_records(
@@ -388,8 +426,8 @@ class MonitorHandle:
         # The measurement bills itself: host time of the previous step() call, of every
         # hook up to this readout's flush (this rank's; rank 0 emits) and, with a
         # readout thread, of that thread's work on this readout so far.
-        own = {f"{AREA}/self/{m}_derive_errors_count": float(n)
-               for m, n in self.derive_errors.items()}  # fmt: skip
+        own = self.failures.records(AREA)
+        self._failures_in_records = int(own[f"{AREA}/self/errors_count"])
         own[f"{AREA}/self/flush_host_ms"] = host_ms
         if hooks:
             for monitor, ns in hooks.items():
@@ -411,24 +449,68 @@ class MonitorHandle:
         try:
             return monitor.derive(readout)
         except Exception as e:
-            if self.strict:
-                raise
-            n = self.derive_errors[monitor.name] = self.derive_errors.get(monitor.name, 0) + 1
-            if n == 1:
-                print(f"syncless: monitor {monitor.name} failed to derive ({e!r}); counting "
-                      "further failures", file=sys.stderr)  # fmt: skip
+            self.failures.failed(f"{monitor.name}_derive", e)
             return {}
 
     def _publish(self, records: StepRecords) -> None:
         self.last_records = records
-        if records and self.run is not None and self.emit:
-            self.run.emit(records)
+        if self.run is None:
+            return
+        if self.emit:
+            if records:
+                self.run.emit(records)
+        elif self.failures.total != self._failures_in_records:
+            # The cluster-wide values go out from rank 0 only; a rank's own failures go
+            # to its own shard.
+            self._emit_failures()
+
+    def _emit_failures(self) -> None:
+        """This rank's failure counts, at the last step (records of their own)."""
+        if self.run is None or self._last_step is None:
+            return
+        own = self.failures.records(AREA)
+        self._failures_in_records = int(own[f"{AREA}/self/errors_count"])
+        records = StepRecords()
+        records.add(
+            self.run.name, self._last_step, self.run.ranks.rank, own.keys(), own.values(),
+            time.time(),
+        )  # fmt: skip
+        self.run.emit(records)
 
     def close(self) -> StepRecords:
-        """Read the last pending flush, emit it, remove every hook."""
+        """Read the last pending flush, emit it, remove every hook. Failures on the way
+        are counted (and the count recorded at the last step); the hooks are removed
+        whatever happens."""
         if self._closed:
             return StepRecords()
         self._closed = True
+        records, due = StepRecords(), []
+        try:
+            records, due = self._final_readouts()
+        except Exception as e:
+            self.failures.failed("close", e)
+        finally:
+            for h in self.ctx.handles:
+                h.remove()
+            self.ctx.handles.clear()
+        for m in self.monitors:
+            try:
+                m.close()
+            except Exception as e:
+                self.failures.failed("close", e)
+        try:
+            if self.budget is not None and self.emit:
+                print(self.budget.summary(), file=sys.stderr)
+            if self.failures.total != self._failures_in_records:
+                self._emit_failures()  # counted in close, or since the last records
+        except Exception as e:
+            self.failures.failed("close", e)
+        for event in due:  # every rank closes at the same point: act on what is left
+            self.alarm.act(event)  # type: ignore[union-attr]
+        return records
+
+    def _final_readouts(self) -> tuple[StepRecords, list]:
+        """Every readout still in flight or pending, published; the alarm's due events."""
         for batch in self.ctx.batches:  # reads of a step that was never flushed
             batch.finish()
         records = self._collect(block=True)
@@ -439,19 +521,9 @@ class MonitorHandle:
         if self.alarm is not None:
             for x in drained:
                 self.alarm.landed(x)
-        records.extend(self._records([self.metrics.decode(x) for x in drained]))
+        records.extend(self._read_here(drained))
         due = self.alarm.due(None) if self.alarm is not None else []
         self._publish(records)
-        for h in self.ctx.handles:
-            h.remove()
-        self.ctx.handles.clear()
-        for m in self.monitors:
-            m.close()
-        if self.budget is not None and self.emit:
-            print(self.budget.summary(), file=sys.stderr)
-        if due:  # every rank closes at the same point: act on what is left
-            if self.run is not None:
-                self.run.flush()
-            for event in due:
-                self.alarm.act(event)  # type: ignore[union-attr]
-        return records
+        if due and self.run is not None:
+            self.run.flush()
+        return records, due

@@ -28,7 +28,7 @@ from syncless import kernels
 from syncless.hot_path import hot_path
 from syncless.metrics import MetricSpec, Readout, Slot
 from syncless.metrics.slot_group import Column, SlotGroup
-from syncless.monitors.adapters import RouterSite
+from syncless.monitors.adapters import ModelMap, RouterSite
 from syncless.monitors.base import AREA, MonitorContext, check_every
 from syncless.monitors.layer_batch import LayerBatch, launch_mode
 
@@ -230,6 +230,10 @@ class MoEMonitor:
         self._layers: list[_RouterLayer] = []
         self._groups: list[_WidthGroup] = []
         self._batch: LayerBatch | None = None
+
+    def nothing_to_watch(self, model: ModelMap) -> str | None:
+        """Why this model gives the monitor nothing to record, or None."""
+        return None if model.routers else "no MoE router: a dense model"
 
     def prepare(self, ctx: MonitorContext) -> None:
         for site in ctx.model.routers:

@@ -35,6 +35,7 @@ from syncless import kernels
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot
 from syncless.metrics.slot_group import Column, SlotGroup
+from syncless.monitors.adapters import ModelMap
 from syncless.monitors.base import AREA, MonitorContext, check_every
 from syncless.monitors.layer_batch import LayerBatch, launch_mode
 
@@ -67,6 +68,11 @@ class NonFiniteMonitor:
         # output_read replaces the handles with one hook shared with the partner.
         self.output_records: dict[int, Callable[[torch.Tensor], None]] = {}
         self.output_handles: dict[int, list[RemovableHandle]] = {}
+
+    def nothing_to_watch(self, model: ModelMap) -> str | None:
+        """Never idle: without layers it still checks the loss and gradient norm that
+        ``handle.step`` is given."""
+        return None
 
     def prepare(self, ctx: MonitorContext) -> None:
         for site in ctx.model.layers:

@@ -30,8 +30,10 @@ import torch
 from torch import nn
 
 from syncless import kernels
+from syncless.errors import UsageError
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot, layer_scope
+from syncless.monitors.adapters import ModelMap
 from syncless.monitors.base import AREA, MonitorContext, check_every
 from syncless.monitors.norms_passes import (
     FusedBucket,
@@ -172,6 +174,13 @@ class NormsMonitor:
                 names.setdefault(id(p), f"layers.{site.index}.{n}")
         return names
 
+    def nothing_to_watch(self, model: ModelMap) -> str | None:
+        """Why this model gives the monitor nothing to record, or None. The norms are
+        per layer; an optimizer that steps none of the layers' parameters is a
+        ``UsageError`` at ``prepare`` (the wrong optimizer, not a model without
+        something to watch)."""
+        return None if model.layers else "no transformer block the adapter found"
+
     def prepare(self, ctx: MonitorContext) -> None:
         in_optimizer = [p for g in self.optimizer.param_groups for p in g["params"]]
         members, self.unmonitored_params = find_members(
@@ -183,6 +192,13 @@ class NormsMonitor:
             ctx.model.param_layout,
             self.main_params,
         )
+        if not members and ctx.model.layers:
+            raise UsageError(
+                f"norms monitor: the optimizer steps {len(in_optimizer)} tensors and none "
+                f"of them belongs to the {len(ctx.model.layers)} layers found (the norms "
+                "are per layer): pass the optimizer that trains this model "
+                "(build(..., optimizer=opt)), or leave norms out"
+            )
         quantities = QUANTITIES if self.update_ratio else QUANTITIES[:2]
         slots: dict[tuple[int, bool], dict[str, Slot]] = {}
         group_of: dict[tuple[int, Layout], int] = {}

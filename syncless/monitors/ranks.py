@@ -31,3 +31,19 @@ def check_same_monitors(
             "must attach the same monitors with the same every= and budget= (pipeline "
             "stages differ in their layers, which layer_offsets gives, not in monitors)"
         )
+
+
+def idle_on_every_rank(idle: dict[str, str], group: dist.ProcessGroup | None) -> dict[str, str]:
+    """The monitors with nothing to watch on every rank (``idle``: this rank's, with
+    the reason). A monitor that finds something on any rank stays on all of them:
+    pipeline stages hold different layers (a dense first stage, MoE stages after it),
+    and every rank must flush the same monitors (cold path, once)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+        return idle
+    everyone: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, sorted(idle), group=group)
+    return {
+        name: why
+        for name, why in idle.items()
+        if all(name in theirs for theirs in everyone)  # type: ignore[operator]
+    }

@@ -21,6 +21,7 @@ from syncless.metrics import MetricSet, Readout
 from syncless.monitors.adapters import AttentionSite, LayerSite, ModelMap
 from syncless.monitors.attention import AttentionMonitor
 from syncless.monitors.base import MonitorContext
+from syncless.monitors.failures import Failures
 
 MAX = "monitors/layer_{:02d}/attn_qk_logit_max"
 ENT = "monitors/layer_{:02d}/attn_entropy_nats"
@@ -107,9 +108,12 @@ def fake_site(layer=0, heads=4, kv_heads=4, head_dim=8, causal=True, window=None
     )
 
 
-def monitored(sites, **kwargs) -> tuple[AttentionMonitor, MetricSet]:
+def monitored(sites, strict=True, **kwargs) -> tuple[AttentionMonitor, MetricSet]:
+    """An attention monitor on fake sites; ``strict``: a hook's failure raises (as
+    ``attach(strict=True)``), so a test sees it."""
     layers = [LayerSite(s.layer, nn.Identity(), s, None, None) for s in sites]
-    ctx = MonitorContext(ModelMap("fake", layers, d_model=32), MetricSet())
+    failures = Failures(strict=strict)
+    ctx = MonitorContext(ModelMap("fake", layers, d_model=32), MetricSet(), failures=failures)
     if "max_elements" in kwargs:  # one budget for both paths, so both sample alike
         kwargs.setdefault("fused_max_elements", kwargs["max_elements"])
     mon = AttentionMonitor(**kwargs)

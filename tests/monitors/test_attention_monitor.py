@@ -57,6 +57,16 @@ def test_shape_mismatch_names_the_layer():
         site.fire(*qk(1, 4, 4, 5))
 
 
+def test_a_bad_shape_without_strict_is_counted_and_reported_once(capsys):
+    site = fake_site(layer=3, heads=4, kv_heads=2)
+    mon, ms = monitored([site], strict=False)
+    for _ in range(3):
+        site.fire(*qk(1, 4, 4, 5))  # the forward goes on
+    assert mon.active and not flush(ms).present[MAX.format(3)].any()
+    err = capsys.readouterr().err
+    assert err.count("attention hook failed") == 1 and "layer 3: expected q" in err
+
+
 def test_causal_with_more_queries_than_keys_is_refused():
     site = fake_site()
     monitored([site])

@@ -92,7 +92,7 @@ def test_a_failing_readout_is_counted_not_raised_unless_strict(capsys):
     assert handle.readout_errors == 2
     del handle.metrics.decode  # the class's again
     handle.close()
-    assert "monitor readout failed" in capsys.readouterr().err
+    assert "readout failed" in capsys.readouterr().err
 
     strict = attach(model, [ActivationsMonitor()], background=True, strict=True, budget=None)
     strict.metrics.decode = broken  # type: ignore[method-assign]

@@ -1,0 +1,112 @@
+"""What went wrong inside the monitors: counted, reported once per place, never raised
+into the training step unless the user asked for ``strict``.
+
+A monitor that throws into a training loop gets removed, and a bug in one statistic
+must not cost a run: every exception raised by syncless code in a hook, in
+``handle.step``, in a readout or a derive, or in ``handle.close`` is caught at that
+place, counted, and reported on stderr the first time it happens at that place (with
+its cause: the exception and the line that raised it). The counts land in the run
+store as ``monitors/self/errors_count`` (every place) and
+``monitors/self/<place>_errors_count``, cumulative since attach.
+
+Under ``torch.compile`` a hook is traced into the graph and its failure is a tracing
+error that dynamo raises itself: a traced hook is called bare (a ``try`` in traced
+code is a graph break per hook).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+#: Exceptions that are answers, not failures: they go to the user as raised.
+#: (``UsageError`` for bad arguments, ``NonFiniteError`` under ``on_nonfinite="raise"``.)
+PassThrough = tuple[type[BaseException], ...]
+
+
+class Failures:
+    """Counts of caught exceptions by place (``"attention_hook"``, ``"step"``,
+    ``"readout"``, ``"moe_derive"``, ``"close"``); thread-safe (hooks run on autograd's
+    thread, readouts on the readout thread)."""
+
+    def __init__(self, strict: bool = False, rank: int | None = None) -> None:
+        self.strict = strict
+        self.counts: dict[str, int] = {}
+        self._where = "" if rank is None else f" (rank {rank})"
+        self._lock = threading.Lock()
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def failed(self, place: str, error: BaseException) -> None:
+        """Count ``error`` at ``place``; report it the first time; raise it if strict.
+
+        Call from an ``except`` block (``raise`` re-raises the active exception with its
+        traceback)."""
+        with self._lock:
+            n = self.counts[place] = self.counts.get(place, 0) + 1
+        if self.strict:
+            raise error
+        if n == 1:
+            print(
+                f"syncless: monitors: {place.replace('_', ' ')} failed{self._where}: "
+                f"{error!r}{_origin(error)}; training goes on (further failures are "
+                f"counted in monitors/self/{place}_errors_count; attach(strict=True) "
+                "raises them)",
+                file=sys.stderr,
+            )
+
+    def records(self, area: str) -> dict[str, float]:
+        """``area/self/errors_count`` (always) and the count of every place that failed."""
+        with self._lock:
+            counts = dict(self.counts)
+        out = {f"{area}/self/{place}_errors_count": float(n) for place, n in counts.items()}
+        out[f"{area}/self/errors_count"] = float(sum(counts.values()))
+        return out
+
+    def guard(self, place: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` with its exceptions counted at ``place`` (returning None: a hook's
+        "leave the tensors alone"). Traced by torch.compile, it calls ``fn`` bare."""
+        failures = self
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                failures.failed(place, e)
+                return None
+
+        guarded.__wrapped__ = fn  # type: ignore[attr-defined]
+        return guarded
+
+    def guard_hooks(self, handles: list[RemovableHandle], place: str) -> None:
+        """Wrap the hooks behind ``handles`` (module and optimizer hooks) in place, so
+        that the adapters' own hook code, not only the monitors' callbacks, is guarded.
+        A handle whose hook is gone, or that is not torch's, is left as it is."""
+        for h in handles:
+            ref = getattr(h, "hooks_dict_ref", None)
+            hooks = ref() if callable(ref) else None
+            if hooks is None or h.id not in hooks:
+                continue
+            fn = hooks[h.id]
+            if getattr(fn, "__wrapped__", None) is not None and fn.__name__ == "guarded":
+                continue  # guarded already (a hook two monitors share)
+            hooks[h.id] = self.guard(place, fn)
+
+
+def _origin(error: BaseException) -> str:
+    """`` at file:line in function`` of the frame that raised ``error``."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" at {last.filename}:{last.lineno} in {last.name}"
