@@ -10,7 +10,10 @@ megatron-core 0.16.1) points them at the CPU:
 4. the torch LayerNorm fallback accepts sequence parallelism (it asserts it off);
 5. a ``TorchFunctionMode`` turns ``device="cuda"`` into the CPU for the pipeline
    schedules' ``torch.zeros(..., device="cuda")``, and ``torch.cuda.synchronize`` and
-   ``torch.cuda.Stream`` become no-ops.
+   ``torch.cuda.Stream`` become no-ops;
+6. the full recompute (``recompute_granularity="full"``) saves and restores the CUDA
+   RNG state around each checkpointed layer: a no-op (the CPU generator's state and the
+   tracker's are saved as before).
 
 The library never patches megatron: this lives in tests.
 """
@@ -93,6 +96,8 @@ def patch_megatron_for_cpu() -> None:
     _set(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     _set(mcore_random, "_CUDA_RNG_STATE_TRACKER", CpuRngTracker())
     _set(mcore_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    _set(mcore_random, "_get_cuda_rng_state", lambda *a, **k: None)
+    _set(mcore_random, "_set_cuda_rng_state", lambda *a, **k: None)
     _set(moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None))
     _set(torch_norm.WrappedTorchNorm, "__new__", _sequence_parallel_norm(torch_norm))
     _PATCHED = True

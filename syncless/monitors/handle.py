@@ -499,7 +499,7 @@ class MonitorHandle:
             except Exception as e:
                 self.failures.failed("close", e)
         try:
-            if self.budget is not None and self.emit:
+            if self.budget is not None and self.emit and self.monitors:
                 print(self.budget.summary(), file=sys.stderr)
             if self.failures.total != self._failures_in_records:
                 self._emit_failures()  # counted in close, or since the last records
