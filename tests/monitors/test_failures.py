@@ -241,3 +241,13 @@ def test_failures_in_every_step_and_none_in_the_records_still_reach_the_run(monk
         "SELECT step, value FROM metrics WHERE name = 'monitors/self/errors_count'"
     )
     assert [tuple(r) for r in rows] == [(STEPS - 1, float(STEPS))]
+
+
+def test_norms_with_an_optimizer_of_none_of_the_layers_is_refused_at_attach():
+    from syncless.errors import UsageError
+
+    model = _llama()
+    head_only = torch.optim.SGD(model.lm_head.parameters(), lr=0.1)
+    with pytest.raises(UsageError, match="none of them belongs to the 2 layers found"):
+        attach(model, build("norms", optimizer=head_only))
+    assert not any(m._forward_hooks for m in model.modules())  # nothing was left behind
