@@ -49,12 +49,18 @@ def attach(
     chunk's first global layer (see ``find_layers``), so ranks holding different
     stages declare different layers and the metric core allocates their union.
     ``lagged=True`` (default) reads a step's values at the next ``step()`` call, so no
-    step waits for its own copy. A monitor whose host-side ``derive`` fails is counted
-    (``monitors/self/<name>_derive_errors_count``) and reported once, not raised into
-    the training step, unless ``strict=True``. ``background`` (default: on when the
-    metrics live on a CUDA device and ``lagged``) decodes and derives each readout on a
-    readout thread (see ``MonitorHandle``); on a CPU the step's records come back from
-    the ``step`` call that reads them, which is what tests and scripts expect.
+    step waits for its own copy. ``background`` (default: on when the metrics live on a
+    CUDA device and ``lagged``) decodes and derives each readout on a readout thread
+    (see ``MonitorHandle``); on a CPU the step's records come back from the ``step``
+    call that reads them, which is what tests and scripts expect.
+
+    A monitor with nothing to watch in the model on every rank (``moe`` on a dense
+    model) is left out with one line on rank 0 (``MonitorHandle.idle`` says why); bad
+    input is a ``UsageError`` here (docs/monitors/README.md, "One monitor list for every
+    model"). An exception inside syncless later, in a hook, ``step``, a readout, a
+    derive or ``close``, is counted (``monitors/self/errors_count``) and reported once
+    per place, not raised into the training step, unless ``strict=True``
+    (syncless.monitors.failures).
 
     ``budget`` (default 0.01): the fraction of the step the stack may cost. Each
     monitor's host and device cost per active step is measured (lagged, no sync) and
