@@ -15,15 +15,17 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from matrix_models import HF_COMMON, families
 
 from syncless.guard import no_sync
 from syncless.monitors import attach, build
 from syncless.run import Run
 from syncless.run.store import RunStore
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
-LAYERS, STEPS, VOCAB = 2, 4, 64
+STEPS = 4
+VOCAB = HF_COMMON["vocab_size"]
 MONITORS = "attention,activations,nonfinite,norms"
 
 
@@ -45,13 +47,8 @@ class Injected(Exception):
 
 
 def _llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    """The matrix's tiny 2-layer Hugging Face Llama (tests/monitors/matrix_models.py)."""
+    return families()["hf-llama"].build()
 
 
 class Calls:
