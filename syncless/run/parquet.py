@@ -1,6 +1,7 @@
 """Per-rank Parquet shards of step records, written by a background thread.
 
-Each batch becomes one shard ``metrics/rank<RRRRR>-<SSSSSS>.parquet``, written under a
+Each batch becomes one shard, ``metrics/rank<RRRRR>-<SSSSSS>-<SSSSSS>.s<first>_<last>.n<rows>.parquet``
+(its rank, sequence number, steps and rows: syncless.run.shards), written under a
 hidden temporary name and renamed into place. A rename is atomic on POSIX file
 systems, so a process killed at any moment (SIGKILL included) leaves only whole shards
 behind: readers glob ``*.parquet`` and never see a half-written file.
@@ -17,11 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from syncless.run.atomic import replaced_when_written
 from syncless.run.records import StepRecord, StepRecords
 from syncless.run.rundir import RunDirError
+from syncless.run.shards import list_folder, shard_name
 
 SCHEMA = pa.schema(
     [
@@ -104,10 +107,10 @@ class ParquetSink:
         self._thread.start()
 
     def _next_free_seq(self) -> int:
-        # Resuming into an existing run directory must not overwrite earlier shards.
-        existing = [
-            int(p.stem.rsplit("-", 1)[1]) for p in self.dir.glob(f"rank{self.rank:05d}-*.parquet")
-        ]
+        # Resuming into an existing run directory must not reuse an earlier shard's
+        # number, nor one a compacted shard covers.
+        listing = list_folder(self.dir)
+        existing = [s.last_seq for _, s in listing.visible + listing.covered if s.rank == self.rank]
         return max(existing, default=0) + 1
 
     def write(self, records: Sequence[StepRecord]) -> None:
@@ -169,10 +172,15 @@ class ParquetSink:
                 return
 
     def _write_shard(self, records: StepRecords) -> None:
-        name = f"rank{self.rank:05d}-{self._seq:06d}.parquet"
+        table = records_to_table(records)
+        steps = pc.min_max(table["step"])
+        name = shard_name(
+            self.rank, self._seq, self._seq,
+            (steps["min"].as_py(), steps["max"].as_py()), table.num_rows,
+        )  # fmt: skip
         try:
             with replaced_when_written(self.dir / name) as tmp:
-                pq.write_table(records_to_table(records), tmp)
+                pq.write_table(table, tmp)
         except OSError as e:
             lost = f"{len(records)} record(s) lost"
             raise RunDirError("write the metric shard", self.dir / name, e, advice=lost) from e

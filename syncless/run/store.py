@@ -1,10 +1,12 @@
 """Read a run directory back: read-only SQL over every rank's shards.
 
-Opening a run reads its shards into an in-memory DuckDB database: the table
-``metrics`` and, where the run has captures, ``captures`` (their index). Then the
-connection loses file, network and extension access for good. A query sees those
-tables and nothing else. Start at :class:`RunStore`; the user's view is in
-``docs/run.md`` ("Queries").
+Opening a run plans its shards from one listing of each folder (the names are the
+manifest: syncless.run.shards) and makes each table a view over its files: ``metrics``
+and, where the run has captures, ``captures`` (their index). The connection may read
+files in those two folders of this run and nothing else (DuckDB's
+``allowed_directories``, then external access off and the settings locked); a query
+must be one SELECT. Start at :class:`RunStore`; the user's view is in ``docs/run.md``
+("Queries").
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pyarrow.parquet as pq
 from syncless.errors import UsageError
 from syncless.run.parquet import SCHEMA
 from syncless.run.rundir import METRICS_DIR, read_run_json
+from syncless.run.shards import list_folder
 
 if TYPE_CHECKING:
     import duckdb
@@ -35,8 +38,8 @@ TABLES = {"metrics": (METRICS_DIR, "*.parquet"), "captures": ("captures", "rank*
 _DUCKDB_TYPES = {"string": "VARCHAR", "int64": "BIGINT", "int32": "INTEGER", "double": "DOUBLE"}
 _METRICS_COLUMNS = ", ".join(f.name for f in SCHEMA)
 
-# Settings fixed at connect. External access goes off (and the settings lock) once
-# the shards are loaded, in RunStore.__init__.
+# Settings fixed at connect. The run's folders are allowed, then external access goes
+# off and the settings lock, in RunStore.__init__.
 _CONFIG = {
     "python_enable_replacements": False,  # SQL must not see the caller's Python variables
     "autoinstall_known_extensions": False,
@@ -44,6 +47,8 @@ _CONFIG = {
     "allow_community_extensions": False,
     "temp_directory": "",  # no spill files: a query never writes to disk
 }
+# A query that meets a shard it cannot read drops the shard and runs again, this often.
+_MAX_RETRIES = 8
 
 _ALLOWED = "one read-only SELECT (or WITH, FROM, DESCRIBE, SHOW, SUMMARIZE)"
 
@@ -102,11 +107,13 @@ class RunStore:
     """A run directory opened for read-only SQL.
 
     Tables: ``metrics`` (``run, step, rank, name, value, time``: every rank's step
-    records) and, when the run has captures, ``captures`` (their index). Every query
-    first reads shards written since the last one, so a live run can be queried.
-    Unreadable shards are skipped with one warning each (``strict=True`` raises
-    :class:`UnreadableShardError` instead). Statements other than SELECT are refused,
-    and once the shards are loaded the connection reads and writes no file.
+    records) and, when the run has captures, ``captures`` (their index), each a view
+    over the shard files. Every query first lists the folders again, so a live run (and
+    one being compacted) can be queried. A shard that cannot be read is skipped with one
+    warning each (``strict=True`` raises :class:`UnreadableShardError` instead): shards
+    named before the manifest are checked by their footer when first listed, the others
+    when a query meets them. Statements other than SELECT are refused, and the
+    connection reads only files in this run's folders.
 
     Example::
 
@@ -125,25 +132,27 @@ class RunStore:
         self.strict = strict
         self.warn = warn
         self.info: dict[str, Any] = _read_info(self.path)
-        #: Every shard seen so far, readable or not, by path.
+        #: Every shard of the latest listing, readable or not, by path.
         self.shards: dict[Path, Shard] = {}
+        self._views: dict[str, list[Path]] = {}  # table -> the files its view reads
         # Imported here: training processes write shards and never need DuckDB.
         import duckdb
 
         self._duckdb = duckdb
         self._con = duckdb.connect(":memory:", config=_CONFIG)
-        self._locked = False
         try:
-            types = ", ".join(f"{f.name} {_DUCKDB_TYPES[str(f.type)]}" for f in SCHEMA)
-            self._con.execute(f"CREATE TABLE metrics ({types})")
-            # Shards are materialised, not viewed. With access off, a view's read_parquet
-            # fails, and allowed_paths would also let COPY overwrite a shard. In memory,
-            # queries beat the lazy view too. On 2 cores, 2.9M records in 100 shards:
-            # loading 0.40 s, then count 0.9 ms, GROUP BY name 45 ms (view: 16, 50 ms).
-            self.refresh()
+            # Views, not tables: a query reads only the row groups it needs (one metric
+            # of a compacted 1,024-rank run), where loading every shard first cost ~1.5
+            # ms a shard per query (issue #37).
+            folders = [
+                _sql_string(f"{self.path.resolve() / f}{os.sep}") for f, _ in TABLES.values()
+            ]
+            self._con.execute(f"SET allowed_directories = [{', '.join(folders)}]")
+            # Footers read once per connection: a report runs dozens of queries.
+            self._con.execute("SET parquet_metadata_cache = true")
             self._con.execute("SET enable_external_access = false")
             self._con.execute("SET lock_configuration = true")
-            self._locked = True
+            self.refresh()
         except BaseException:
             self._con.close()
             raise
@@ -151,7 +160,9 @@ class RunStore:
     @property
     def tables(self) -> list[str]:
         """The tables a query can read."""
-        rows = self._con.execute("SELECT table_name FROM duckdb_tables() ORDER BY 1").fetchall()
+        rows = self._con.execute(
+            "SELECT view_name FROM duckdb_views() WHERE NOT internal ORDER BY 1"
+        ).fetchall()
         return [r[0] for r in rows]
 
     @property
@@ -160,34 +171,46 @@ class RunStore:
         return [s for s in self.shards.values() if s.error is not None]
 
     def refresh(self) -> list[Shard]:
-        """Read shards written since the last call (``sql`` does); return them."""
+        """List the folders again and point the views at what they hold now; return the
+        shards not seen before."""
+        known = self.shards
+        self.shards = {}
         new: list[Shard] = []
-        for table, (folder, pattern) in TABLES.items():
-            paths = sorted(p for p in (self.path / folder).glob(pattern) if p not in self.shards)
-            if paths:
-                new += self._load(table, paths)
-        for shard in new:
-            if shard.error is not None:
-                self._report(shard)
+        for table in TABLES:
+            for shard in self._list(table, known):
+                self.shards[shard.path] = shard
+                if shard.path not in known:
+                    new.append(shard)
+                    if shard.error is not None:
+                        self._report(shard)
+            readable = [p for p, s in self.shards.items() if s.table == table and s.error is None]
+            if readable != self._views.get(table) or table not in self._views:
+                self._view(table, readable)
         return new
 
     def sql(self, query: str) -> duckdb.DuckDBPyRelation:
-        """Run one SELECT and return the DuckDB relation (``.fetchall()``, ``.df()``, ...).
+        """Run one SELECT and return its rows as a DuckDB relation (``.fetchall()``,
+        ``.df()``, ...).
 
         Raises UsageError for invalid SQL, for a statement that is not a SELECT and for
         a query that reaches for a file.
         """
         check_query(query)
         self.refresh()
-        try:
-            return self._con.sql(query)
-        except self._duckdb.PermissionException as e:
-            raise UsageError(
-                f"query refused: it reaches outside the run ({_first_line(e)}); "
-                f"queries read only the tables {', '.join(self.tables)}"
-            ) from None
-        except self._duckdb.Error as e:
-            raise UsageError(f"query failed: {e}") from None
+        for _ in range(_MAX_RETRIES):
+            try:
+                # Run now, not when the caller fetches: a shard that cannot be read is
+                # found here, dropped, and the query runs again without it.
+                return self._con.sql(query).materialize()
+            except self._duckdb.PermissionException as e:
+                raise UsageError(
+                    f"query refused: it reaches outside the run ({_first_line(e)}); "
+                    f"queries read only the tables {', '.join(self.tables)}"
+                ) from None
+            except self._duckdb.Error as e:
+                if not self._drop_culprit(e):
+                    raise UsageError(f"query failed: {e}") from None
+        raise UsageError(f"query failed: more than {_MAX_RETRIES} shards could not be read")
 
     def query(self, query: str) -> tuple[list[str], list[tuple]]:
         """Run one SELECT and return (column names, rows)."""
@@ -206,39 +229,64 @@ class RunStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _load(self, table: str, paths: list[Path]) -> list[Shard]:
-        good = []
-        for path in paths:
-            rows, error = _inspect(table, path)
-            self.shards[path] = Shard(path, table, rows, error)
-            if error is None:
-                good.append(path)
-        if good and not self._locked:
-            try:  # one multi-threaded read of every shard
-                source = "read_parquet(?, union_by_name = true)"
-                self._insert(table, source, [[str(p) for p in good]])
-                return [self.shards[p] for p in paths]
-            except self._duckdb.Error:
-                pass  # a shard is bad past its footer: read them one by one to find it
-        for path in good:  # after the lock DuckDB reads no files: pyarrow does
-            try:
-                self._con.register("_syncless_shard", pq.read_table(path))
-                try:
-                    self._insert(table, "_syncless_shard")
-                finally:
-                    self._con.unregister("_syncless_shard")
-            except (OSError, pa.ArrowException, self._duckdb.Error) as e:
-                self.shards[path] = Shard(path, table, 0, _first_line(e))
-        return [self.shards[p] for p in paths]
-
-    def _insert(self, table: str, source: str, params: list | None = None) -> None:
-        columns = _METRICS_COLUMNS if table == "metrics" else "*"
-        exists = table in self.tables
-        if exists:
-            statement = f"INSERT INTO {table} BY NAME SELECT {columns} FROM {source}"
+    def _list(self, table: str, known: dict[Path, Shard]) -> list[Shard]:
+        """The table's shards now. A metrics shard's rows come from its name; a shard
+        without a manifest name is checked by its footer once (0.05 ms)."""
+        folder, pattern = TABLES[table]
+        if table == "metrics":
+            listing = list_folder(self.path / folder)
+            entries = [(self.path / folder / name, s.rows) for name, s in listing.visible]
         else:
-            statement = f"CREATE TABLE {table} AS SELECT {columns} FROM {source}"
-        self._con.execute(statement, params)
+            entries = [(p, None) for p in sorted((self.path / folder).glob(pattern))]
+        out = []
+        for path, rows in entries:
+            if path in known:
+                out.append(known[path])
+            elif rows is not None:
+                out.append(Shard(path, table, rows, None))
+            else:
+                out.append(Shard(path, table, *_inspect(table, path)))
+        return out
+
+    def _view(self, table: str, files: list[Path]) -> None:
+        self._views[table] = files
+        if not files:
+            if table == "metrics":  # empty, with the schema: queries still bind
+                columns = ", ".join(
+                    f"NULL::{_DUCKDB_TYPES[str(f.type)]} AS {f.name}" for f in SCHEMA
+                )
+                self._con.execute(f"CREATE OR REPLACE VIEW metrics AS SELECT {columns} WHERE false")
+            else:
+                self._con.execute(f"DROP VIEW IF EXISTS {table}")
+            return
+        paths = ", ".join(_sql_string(str(p.resolve())) for p in files)
+        if table == "metrics":
+            source = f"SELECT {_METRICS_COLUMNS} FROM read_parquet([{paths}])"
+        else:  # the capture index grew columns over versions
+            source = f"SELECT * FROM read_parquet([{paths}], union_by_name = true)"
+        try:
+            self._con.execute(f"CREATE OR REPLACE VIEW {table} AS {source}")
+        except self._duckdb.Error as e:  # binding reads the first file: it may be bad
+            if not self._drop_culprit(e):
+                raise
+
+    def _drop_culprit(self, error: BaseException) -> bool:
+        """Mark the shard ``error`` names unreadable (or gone: listed again) and point
+        the views past it; False when the error names none of the run's shards."""
+        text = str(error)
+        for path, shard in list(self.shards.items()):
+            if shard.error is None and str(path.resolve()) in text:
+                if not path.exists():  # compacted away since the listing
+                    self.refresh()
+                    return True
+                self.shards[path] = Shard(path, shard.table, 0, _first_line(error))
+                self._report(self.shards[path])
+                readable = [
+                    p for p, s in self.shards.items() if s.table == shard.table and s.error is None
+                ]
+                self._view(shard.table, readable)
+                return True
+        return False
 
     def _report(self, shard: Shard) -> None:
         message = f"unreadable shard {shard.path}: {shard.error}"
@@ -282,6 +330,10 @@ def _inspect(table: str, path: Path) -> tuple[int, str | None]:
         if problems:
             return 0, f"not a metrics shard: {'; '.join(problems)}"
     return meta.num_rows, None
+
+
+def _sql_string(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
 
 
 def _first_line(e: BaseException) -> str:
