@@ -29,12 +29,13 @@ __all__ = ["RunTotals", "Stat", "print_summary", "read", "run"]
 log = logging.getLogger(__name__)
 
 # One pass over every record: everything below is read off these per-name rows
-# (a few hundred), not off the records. rowid keeps the order the records were written.
+# (a few hundred), not off the records. (file, row) is the order the records were
+# written (the store's metrics_written view).
 # The last value is the highest step's on the lowest rank that has it.
 _TOTALS = """
 SELECT name, count(*), avg(value), min(value), max(value), arg_max(value, step * 1048576 - rank),
-       sum(value), arg_max(step, value), arg_min(step, value), min(rowid)
-FROM metrics GROUP BY name
+       sum(value), arg_max(step, value), arg_min(step, value), min((file, row))
+FROM metrics_written GROUP BY name
 """
 _RUN = "SELECT count(*), count(DISTINCT rank), min(step), max(step), count(DISTINCT step), "
 _RUN += "min(time), max(time) FROM metrics"
@@ -112,7 +113,12 @@ def read(path: str | os.PathLike) -> RunTotals:
     """Aggregate a run directory; unreadable shards are skipped with a warning."""
     with RunStore(path) as store:
         _, rows = store.query(_TOTALS)
-        stats = {r[0]: Stat(int(r[1]), *map(float, r[2:7]), *map(int, r[7:])) for r in rows}
+        # The first (file, row) of each name, as its rank among them.
+        order = {first: i for i, first in enumerate(sorted({r[9] for r in rows}))}
+        stats = {
+            r[0]: Stat(int(r[1]), *map(float, r[2:7]), int(r[7]), int(r[8]), order[r[9]])
+            for r in rows
+        }
         (records, ranks, first, last, steps, t0, t1) = store.query(_RUN)[1][0]
         totals = RunTotals(
             path=str(path),

@@ -23,8 +23,8 @@ from syncless.run.store import RunStore
 __all__ = ["Slice", "layout", "run", "trace_events"]
 
 _PROFILE = """
-SELECT rank, step, name, value, time FROM metrics
-WHERE name LIKE 'profile/%' ORDER BY rank, step, rowid
+SELECT rank, step, name, value, time FROM metrics_written
+WHERE name LIKE 'profile/%' ORDER BY rank, step, file, row
 """
 PARTS = ("rendezvous", "transfer")  # laid end to end inside their collective
 # Tracks (tid) of a rank's process: one per kind of slice, so a track's slices nest

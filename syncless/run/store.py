@@ -3,9 +3,8 @@
 Opening a run plans its shards from one listing of each folder (the names are the
 manifest: syncless.run.shards) and makes each table a view over its files: ``metrics``
 and, where the run has captures, ``captures`` (their index). The connection may read
-files in those two folders of this run and nothing else (DuckDB's
-``allowed_directories``, then external access off and the settings locked); a query
-must be one SELECT. Start at :class:`RunStore`; the user's view is in ``docs/run.md``
+the run's shard files and nothing else (DuckDB's ``allowed_paths``, then external
+access off and the settings locked); a query must be one SELECT. Start at :class:`RunStore`; the user's view is in ``docs/run.md``
 ("Queries").
 """
 
@@ -47,8 +46,14 @@ _CONFIG = {
     "allow_community_extensions": False,
     "temp_directory": "",  # no spill files: a query never writes to disk
 }
+# Connections a store keeps after a newer one replaced it (their relations stay readable).
+_OLD_CONNECTIONS = 8
 # A query that meets a shard it cannot read drops the shard and runs again, this often.
 _MAX_RETRIES = 8
+# Errors of the query itself: never a shard's fault.
+_QUERY_ERRORS = ("BinderException", "ParserException", "CatalogException", "ConversionException",
+                 "OutOfRangeException", "InvalidTypeException", "NotImplementedException",
+                 "ConstraintException", "SyntaxException", "TypeMismatchException")  # fmt: skip
 
 _ALLOWED = "one read-only SELECT (or WITH, FROM, DESCRIBE, SHOW, SUMMARIZE)"
 
@@ -135,27 +140,43 @@ class RunStore:
         #: Every shard of the latest listing, readable or not, by path.
         self.shards: dict[Path, Shard] = {}
         self._views: dict[str, list[Path]] = {}  # table -> the files its view reads
+        self._read_whole: set[Path] = set()  # shards read whole without an error
         # Imported here: training processes write shards and never need DuckDB.
         import duckdb
 
         self._duckdb = duckdb
-        self._con = duckdb.connect(":memory:", config=_CONFIG)
+        self._con: duckdb.DuckDBPyConnection | None = None
+        self._allowed: set[Path] = set()
+        # Earlier connections, kept while relations they returned may still be read.
+        self._old: list[duckdb.DuckDBPyConnection] = []
         try:
-            # Views, not tables: a query reads only the row groups it needs (one metric
-            # of a compacted 1,024-rank run), where loading every shard first cost ~1.5
-            # ms a shard per query (issue #37).
-            folders = [
-                _sql_string(f"{self.path.resolve() / f}{os.sep}") for f, _ in TABLES.values()
-            ]
-            self._con.execute(f"SET allowed_directories = [{', '.join(folders)}]")
-            # Footers read once per connection: a report runs dozens of queries.
-            self._con.execute("SET parquet_metadata_cache = true")
-            self._con.execute("SET enable_external_access = false")
-            self._con.execute("SET lock_configuration = true")
             self.refresh()
+            if strict:  # every shard checked now, not when a query meets it
+                self.verify()
         except BaseException:
-            self._con.close()
+            self.close()
             raise
+
+    def _connect(self, files: set[Path]) -> None:
+        """A connection that may read exactly ``files`` (DuckDB's ``allowed_paths``),
+        then no other file: external access off, settings locked. Views, not tables: a
+        query reads only the row groups it needs, where loading every shard first cost
+        ~1.5 ms a shard on every query (issue #37). A live run's new shards need a new
+        connection (the allowed paths are fixed once access is off): ~5 ms."""
+        con = self._duckdb.connect(":memory:", config=_CONFIG)
+        try:
+            allowed = ", ".join(_sql_string(str(p.resolve())) for p in sorted(files))
+            con.execute(f"SET allowed_paths = [{allowed}]")
+            # Footers read once per connection: a report runs dozens of queries.
+            con.execute("SET parquet_metadata_cache = true")
+            con.execute("SET enable_external_access = false")
+            con.execute("SET lock_configuration = true")
+        except BaseException:
+            con.close()
+            raise
+        if self._con is not None:
+            self._old = [*self._old[-(_OLD_CONNECTIONS - 1) :], self._con]
+        self._con, self._allowed, self._views = con, set(files), {}
 
     @property
     def tables(self) -> list[str]:
@@ -183,9 +204,13 @@ class RunStore:
                     new.append(shard)
                     if shard.error is not None:
                         self._report(shard)
-            readable = [p for p, s in self.shards.items() if s.table == table and s.error is None]
-            if readable != self._views.get(table) or table not in self._views:
-                self._view(table, readable)
+        readable = {p for p, s in self.shards.items() if s.error is None}
+        if self._con is None or not readable <= self._allowed:
+            self._connect(readable)
+        for table in TABLES:
+            files = [p for p, s in self.shards.items() if s.table == table and s.error is None]
+            if table not in self._views or files != self._views[table]:
+                self._view(table, files)
         return new
 
     def sql(self, query: str) -> duckdb.DuckDBPyRelation:
@@ -208,7 +233,9 @@ class RunStore:
                     f"queries read only the tables {', '.join(self.tables)}"
                 ) from None
             except self._duckdb.Error as e:
-                if not self._drop_culprit(e):
+                if type(e).__name__ in _QUERY_ERRORS or not (
+                    self._drop_culprit(e) or self._find_unreadable()
+                ):
                     raise UsageError(f"query failed: {e}") from None
         raise UsageError(f"query failed: more than {_MAX_RETRIES} shards could not be read")
 
@@ -221,7 +248,10 @@ class RunStore:
             raise UsageError(f"query failed: {e}") from None
 
     def close(self) -> None:
-        self._con.close()
+        for con in [*self._old, self._con]:
+            if con is not None:
+                con.close()
+        self._old, self._con = [], None
 
     def __enter__(self) -> RunStore:
         return self
@@ -236,6 +266,13 @@ class RunStore:
         if table == "metrics":
             listing = list_folder(self.path / folder)
             entries = [(self.path / folder / name, s.rows) for name, s in listing.visible]
+            # Another name in the folder is read as a shard of unknown rows (a copy, a
+            # rename by hand): its footer decides.
+            entries += [
+                (self.path / folder / name, None)
+                for name in listing.other
+                if name.endswith(".parquet") and not name.startswith(".")
+            ]
         else:
             entries = [(p, None) for p in sorted((self.path / folder).glob(pattern))]
         out = []
@@ -256,6 +293,10 @@ class RunStore:
                     f"NULL::{_DUCKDB_TYPES[str(f.type)]} AS {f.name}" for f in SCHEMA
                 )
                 self._con.execute(f"CREATE OR REPLACE VIEW metrics AS SELECT {columns} WHERE false")
+                self._con.execute(
+                    f"CREATE OR REPLACE VIEW metrics_written AS SELECT {columns}, "
+                    "NULL::VARCHAR AS file, NULL::BIGINT AS row WHERE false"
+                )
             else:
                 self._con.execute(f"DROP VIEW IF EXISTS {table}")
             return
@@ -266,9 +307,32 @@ class RunStore:
             source = f"SELECT * FROM read_parquet([{paths}], union_by_name = true)"
         try:
             self._con.execute(f"CREATE OR REPLACE VIEW {table} AS {source}")
+            if table == "metrics":
+                # Write order, for readers that need it (the summary's name order, the
+                # trace's nesting): shard names sort by rank and sequence number, and
+                # compaction keeps each shard's rows in the order they were written.
+                self._con.execute(
+                    f"CREATE OR REPLACE VIEW metrics_written AS SELECT {_METRICS_COLUMNS}, "
+                    "filename AS file, file_row_number AS row "
+                    f"FROM read_parquet([{paths}], filename = true, file_row_number = true)"
+                )
         except self._duckdb.Error as e:  # binding reads the first file: it may be bad
             if not self._drop_culprit(e):
                 raise
+
+    def verify(self) -> list[Shard]:
+        """Read every shard's footer (``syncless check``): what the names say is
+        checked against the files. Returns the shards found unreadable."""
+        bad = []
+        for path, shard in list(self.shards.items()):
+            if shard.error is not None:
+                continue
+            rows, error = _inspect(shard.table, path)
+            if error is None and shard.table == "metrics" and rows != shard.rows:
+                error = f"its name says {shard.rows} rows, the file holds {rows}"
+            if error is not None:
+                bad.append(self._unreadable(shard, error))
+        return bad
 
     def _drop_culprit(self, error: BaseException) -> bool:
         """Mark the shard ``error`` names unreadable (or gone: listed again) and point
@@ -279,14 +343,34 @@ class RunStore:
                 if not path.exists():  # compacted away since the listing
                     self.refresh()
                     return True
-                self.shards[path] = Shard(path, shard.table, 0, _first_line(error))
-                self._report(self.shards[path])
-                readable = [
-                    p for p, s in self.shards.items() if s.table == shard.table and s.error is None
-                ]
-                self._view(shard.table, readable)
+                # pyarrow's reason where the footer is bad (what `check` says), else DuckDB's
+                reason = _inspect(shard.table, path)[1] or _first_line(error)
+                self._unreadable(shard, reason)
                 return True
         return False
+
+    def _find_unreadable(self) -> bool:
+        """A query failed without naming a file (a page corrupt past the footer): read
+        each shard whole to find the bad ones (costly, and only on such a failure)."""
+        found = False
+        for path, shard in list(self.shards.items()):
+            if shard.error is not None or path in self._read_whole:
+                continue
+            try:
+                pq.read_table(path)
+            except (OSError, pa.ArrowException) as e:
+                self._unreadable(shard, _first_line(e))
+                found = True
+            else:
+                self._read_whole.add(path)
+        return found
+
+    def _unreadable(self, shard: Shard, reason: str) -> Shard:
+        bad = self.shards[shard.path] = Shard(shard.path, shard.table, 0, reason)
+        self._report(bad)
+        readable = [p for p, s in self.shards.items() if s.table == shard.table and s.error is None]
+        self._view(shard.table, readable)
+        return bad
 
     def _report(self, shard: Shard) -> None:
         message = f"unreadable shard {shard.path}: {shard.error}"

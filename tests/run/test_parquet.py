@@ -86,9 +86,10 @@ def test_no_temporary_files_left_and_resume_does_not_overwrite(tmp_path):
     second.write(_records(4, step0=100))
     second.close()
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    # rank, sequence number, steps and rows: the manifest in the name
     assert sorted(p.name for p in tmp_path.glob("*.parquet")) == [
-        "rank00000-000001.parquet",
-        "rank00000-000002.parquet",
+        "rank00000-000001-000001.s0_2.n3.parquet",
+        "rank00000-000002-000002.s100_103.n4.parquet",
     ]
     assert len(_read_all(tmp_path)) == 7
 

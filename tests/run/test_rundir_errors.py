@@ -85,7 +85,7 @@ def test_a_shard_that_cannot_be_written_is_one_line_and_counted(tmp_path, capsys
     run.close()  # the last batch fails too, and close() does not raise
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err  # reported once
-    shard = run.dir / "metrics" / "rank00000-000002.parquet"
+    shard = run.dir / "metrics" / "rank00000-000002-000002.s1_1.n1.parquet"
     assert f"cannot write the metric shard '{shard}': Not a directory" in err
     assert "Traceback" not in err
     assert run.sink_errors == {"ParquetSink": 3}
