@@ -1,4 +1,5 @@
-"""The ``syncless`` command: demo, query, check, captures, report, summary, trace, lint."""
+"""The ``syncless`` command: demo, query, check, compact, captures, report, summary, trace,
+lint."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ def _check(args: argparse.Namespace) -> int:
     from syncless.run import check
 
     return check.run(args)
+
+
+def _compact(args: argparse.Namespace) -> int:
+    from syncless.run import compact
+
+    return compact.run(args)
 
 
 def _captures(args: argparse.Namespace) -> int:
@@ -102,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("run_dir", help="a run directory (runs/<time>-<name>)")
     check.add_argument("--format", choices=("table", "json"), default="table")
 
+    compact = sub.add_parser(
+        "compact",
+        help="merge a run directory's small metric shards into few large ones",
+        description="Per rank, consecutive shards are merged into files of about a "
+        "million records, crash-safe (a kill at any point loses and doubles nothing). A "
+        "live run compacts itself in the background; this does it for finished runs.",
+    )
+    compact.add_argument("run_dir", help="a run directory (runs/<time>-<name>)")
+
     from syncless.run import captures_cli
 
     captures = sub.add_parser(
@@ -138,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             return _check(args)
         if args.command == "captures":
             return _captures(args)
+        if args.command == "compact":
+            return _compact(args)
         if args.command == "report":
             return _report(args)
         if args.command == "summary":

@@ -130,6 +130,7 @@ class RunHealth:
 def check(path: str | os.PathLike) -> RunHealth:
     """Read every shard of a run directory and report what is unreadable or missing."""
     with RunStore(path, warn=False) as store:
+        store.verify()  # every footer, against what the names say: the manifest's check
         _, ranks = store.query(_STEPS + _RANKS)
         _, gaps = store.query(_STEPS + _GAPS)
         health = RunHealth(

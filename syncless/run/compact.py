@@ -23,10 +23,12 @@ that opening the file is a small part of reading it, small enough that a rank's 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import fcntl
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from syncless.run.atomic import replaced_when_written
-from syncless.run.rundir import METRICS_DIR
+from syncless.run.rundir import METRICS_DIR, read_run_json
 from syncless.run.shards import ShardName, list_folder, shard_name
 
 __all__ = ["ROW_GROUP_ROWS", "TARGET_ROWS", "CompactStats", "compact_rank", "compact_run"]
@@ -95,10 +97,18 @@ def compact_rank(
                 stats.removed += 1
         shards = sorted(listing.by_rank().get(rank, []), key=lambda e: e[1].first_seq)
         stats.shards_before = stats.shards_after = len(shards)
-        for group in _plan([_known(folder, e) for e in shards], target_rows, min_inputs):
+        todo = list(_plan([_known(folder, e) for e in shards], target_rows, min_inputs))
+        while todo:
+            group = todo.pop()
             try:
                 stats.rows += _merge(folder, group)
-            except (OSError, pa.ArrowException) as e:  # a shard bad past its footer
+            except _Unreadable as bad:  # merge what lies on either side of it
+                stats.failed.append(f"{group[bad.index][0]}: {bad.reason}")
+                todo += [
+                    g for g in (group[: bad.index], group[bad.index + 1 :]) if len(g) >= min_inputs
+                ]
+                continue
+            except OSError as e:  # writing the merged shard: the inputs stay as they are
                 stats.failed.append(f"{group[0][0]}..{group[-1][0]}: {e}")
                 continue
             stats.shards_after -= len(group) - 1
@@ -160,7 +170,13 @@ def _merge(folder: Path, group: list[tuple[str, ShardName]]) -> int:
     # Concatenated in sequence order, not sorted: the rows stay in the order they were
     # written, which the trace's nesting and the summary's name order read (and which
     # keeps each row group's steps a narrow range, for step filters).
-    table = pa.concat_tables([pq.read_table(folder / name) for name, _ in group])
+    tables = []
+    for i, (name, _) in enumerate(group):
+        try:
+            tables.append(pq.read_table(folder / name))
+        except (OSError, pa.ArrowException) as e:
+            raise _Unreadable(i, str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+    table = pa.concat_tables(tables)
     steps = pc.min_max(table["step"])
     first, last = group[0][1], group[-1][1]
     name = shard_name(
@@ -172,6 +188,14 @@ def _merge(folder: Path, group: list[tuple[str, ShardName]]) -> int:
     for old, _ in group:  # a kill from here on leaves them covered, not doubled
         (folder / old).unlink(missing_ok=True)
     return table.num_rows
+
+
+class _Unreadable(Exception):
+    """Input ``index`` of a merge could not be read (it stays, and the store skips it)."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(reason)
+        self.index, self.reason = index, reason
 
 
 @contextlib.contextmanager
@@ -188,3 +212,20 @@ def _rank_lock(folder: Path, rank: int) -> Iterator[bool]:
         yield True
     finally:
         os.close(fd)  # releases the lock
+
+
+def run(args: argparse.Namespace) -> int:
+    """``syncless compact RUN_DIR``: one line of what it did; exit 1 if a merge failed."""
+    read_run_json(Path(args.run_dir))  # a UsageError for what is not a run directory
+    stats = compact_run(args.run_dir)
+    print(
+        f"syncless compact: {stats.shards_before} shards -> {stats.shards_after} "
+        f"({stats.rows:,} records rewritten, {stats.removed} leftovers of an earlier "
+        f"compaction removed) in {stats.seconds:.1f} s"
+    )
+    for failure in stats.failed:
+        print(f"syncless compact: left as they are: {failure}", file=sys.stderr)
+    if stats.busy_ranks:
+        print(f"syncless compact: {stats.busy_ranks} rank(s) skipped: another compaction "
+              "holds their lock (the run's own, while it is alive)", file=sys.stderr)  # fmt: skip
+    return 1 if stats.failed else 0

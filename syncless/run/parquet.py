@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -38,6 +39,13 @@ SCHEMA = pa.schema(
 )
 
 _STOP = object()
+#: Shards a rank writes between two compactions of its own (0: never): 64 shards of 10 s
+#: are about 11 minutes. A live run merges into files of LIVE_TARGET_ROWS, a sixteenth of
+#: ``syncless compact``'s target: a file that is not full yet is rewritten by each merge
+#: that extends it, and the smaller target bounds that rewriting; ``syncless compact``
+#: merges the live files once the run is over.
+COMPACT_EVERY = 64
+LIVE_TARGET_ROWS = 1 << 16
 
 
 def records_to_table(records: Sequence[StepRecord]) -> pa.Table:
@@ -85,6 +93,7 @@ class ParquetSink:
         rank: int,
         flush_interval_s: float = 10.0,
         max_batch: int = 100_000,
+        compact_every: int = COMPACT_EVERY,
     ) -> None:
         if flush_interval_s <= 0:
             raise ValueError(f"flush_interval_s={flush_interval_s}: expected > 0 seconds")
@@ -97,6 +106,9 @@ class ParquetSink:
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
         self.shards_written = 0
+        self.compact_every = compact_every
+        self.compaction_errors = 0
+        self._since_compaction = 0
         self._seq = self._next_free_seq()
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -186,3 +198,24 @@ class ParquetSink:
             raise RunDirError("write the metric shard", self.dir / name, e, advice=lost) from e
         self._seq += 1
         self.shards_written += 1
+        self._since_compaction += 1
+        if self.compact_every and self._since_compaction >= self.compact_every:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Merge this rank's small shards, on this (the writer's) thread: a query then
+        opens a few files per rank, not one per flush. A failure is counted and
+        reported once; the shards stay as they are (still read, never lost)."""
+        from syncless.run.compact import compact_rank
+
+        self._since_compaction = 0
+        try:
+            stats = compact_rank(self.dir, self.rank, target_rows=LIVE_TARGET_ROWS)
+            failed = stats.failed
+        except Exception as e:  # a compaction must not cost the run its records
+            failed = [repr(e)]
+        if failed:
+            self.compaction_errors += 1
+            if self.compaction_errors == 1:
+                print(f"syncless: rank {self.rank}: compacting the metric shards failed "
+                      f"({failed[0]}); they stay as they are", file=sys.stderr)  # fmt: skip

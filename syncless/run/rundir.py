@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from syncless.errors import UsageError
+from syncless.run.shards import list_folder
 
 RUN_JSON = "run.json"
 METRICS_DIR = "metrics"
@@ -333,14 +334,25 @@ def last_step(run_dir: Path) -> int | None:
     """
     import pyarrow as pa
 
+    # Highest first by what the names say (unnamed shards: by their footer), each
+    # checked by its footer: the first readable one is the answer, so a resume reads a
+    # footer or two, not one per shard.
+    folder = run_dir / METRICS_DIR
+    shards = list_folder(folder).visible
+    named = sorted(
+        ((s.last_step, name) for name, s in shards if s.last_step is not None), reverse=True
+    )
+    candidates = [(None, name) for name, s in shards if s.last_step is None] + named
     best: int | None = None
-    for shard in sorted((run_dir / METRICS_DIR).glob("*.parquet")):
+    for said, name in candidates:
+        if said is not None and best is not None and said <= best:
+            break  # nothing further down the list is higher
         try:
-            high = _shard_last_step(shard)
+            high = _shard_last_step(folder / name)
         except (OSError, pa.ArrowException, ValueError) as e:
             logging.getLogger(__name__).warning(
                 "resume: skipped unreadable shard %s (%s); `syncless check %s` reports it",
-                shard,
+                folder / name,
                 str(e).splitlines()[0] if str(e) else type(e).__name__,
                 run_dir,
             )
