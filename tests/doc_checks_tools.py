@@ -90,7 +90,18 @@ def _check(ctx: Ctx) -> None:
     assert re.search(r"^\s*0\s+18\s+0\s+2\s+3\s+1\s+0\s", out, re.M), out
 
 
-@runs("syncless check", "syncless lint", "syncless trace", "syncless query")
+@runs("syncless compact RUN_DIR")
+def _compact(ctx: Ctx) -> None:
+    run_dir = ctx.cwd / "compacted"
+    shutil.copytree(ctx.request.getfixturevalue("shared_run"), run_dir)
+    before = ctx.run([dc.SYNCLESS, "query", str(run_dir), "SELECT count(*) FROM metrics"]).stdout
+    out = ctx.run([dc.SYNCLESS, "compact", str(run_dir)]).stdout
+    assert re.match(r"syncless compact: \d+ shards -> 1 \(", out), out  # the demo: rank 0
+    after = ctx.run([dc.SYNCLESS, "query", str(run_dir), "SELECT count(*) FROM metrics"]).stdout
+    assert table_rows(after) == table_rows(before) == [["18"]]
+
+
+@runs("syncless check", "syncless lint", "syncless trace", "syncless query", "syncless compact")
 def _bare(ctx: Ctx) -> None:  # the command's name: without its arguments, a usage error
     p = ctx.run(ctx.argv(), status=2)
     assert f"usage: {ctx.command} " in p.stderr
