@@ -121,8 +121,8 @@ class ParquetSink:
     def _next_free_seq(self) -> int:
         # Resuming into an existing run directory must not reuse an earlier shard's
         # number, nor one a compacted shard covers.
-        listing = list_folder(self.dir)
-        existing = [s.last_seq for _, s in listing.visible + listing.covered if s.rank == self.rank]
+        listing = list_folder(self.dir, self.rank)
+        existing = [s.last_seq for _, s in listing.visible + listing.covered]
         return max(existing, default=0) + 1
 
     def write(self, records: Sequence[StepRecord]) -> None:

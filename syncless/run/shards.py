@@ -20,6 +20,7 @@ unknown until their footer is read.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -94,9 +95,18 @@ class Catalogue:
     other: list[str]
 
     def by_rank(self) -> dict[int, list[tuple[str, ShardName]]]:
-        out: dict[int, list[tuple[str, ShardName]]] = {}
-        for entry in self.visible:
-            out.setdefault(entry[1].rank, []).append(entry)
+        """The visible shards per rank, in sequence order (built once)."""
+        return self._by_rank[0]
+
+    def covered_by_rank(self) -> dict[int, list[tuple[str, ShardName]]]:
+        return self._by_rank[1]
+
+    @functools.cached_property
+    def _by_rank(self) -> tuple[dict[int, list], dict[int, list]]:
+        out: tuple[dict[int, list], dict[int, list]] = ({}, {})
+        for table, entries in zip(out, (self.visible, self.covered), strict=True):
+            for entry in entries:
+                table.setdefault(entry[1].rank, []).append(entry)
         return out
 
 
@@ -128,11 +138,13 @@ def catalogue(names: Iterable[str]) -> Catalogue:
     return Catalogue(visible, covered, sorted(other))
 
 
-def list_folder(folder: Path) -> Catalogue:
-    """The catalogue of ``folder`` (one directory listing; no file is opened)."""
+def list_folder(folder: Path, rank: int | None = None) -> Catalogue:
+    """The catalogue of ``folder`` (one directory listing; no file is opened), or of
+    ``rank``'s shards alone (a writer's own: the other ranks' names are not parsed)."""
+    prefix = "" if rank is None else f"rank{rank:05d}-"
     try:
         with os.scandir(folder) as entries:  # the kind from the listing: no stat a file
-            names = [e.name for e in entries if e.is_file()]
+            names = [e.name for e in entries if e.name.startswith(prefix) and e.is_file()]
     except FileNotFoundError:
         names = []
     return catalogue(names)
