@@ -133,7 +133,6 @@ def attach(
         run,
         lagged,
         emit=is_main,
-        strict=strict,
         background=background,
         on_nonfinite=on_nonfinite,
     )
@@ -144,7 +143,7 @@ def attach(
         owners[id(ctx.handles[-1])] = "readout_signal_hook"
     # The adapters' hook code too, not only the monitors' callbacks (MonitorContext.timed).
     for h in ctx.handles:
-        failures.guard_hooks([h], owners.get(id(h), "output_hook"))
+        failures.guard_hook(h, owners.get(id(h), "output_hook"))
     return handle
 
 

@@ -119,6 +119,7 @@ class MonitorContext:
             finally:
                 ledger[monitor] += clock() - start
 
+        billed.guarded = True  # type: ignore[attr-defined]  # Failures.guard_hook: not again
         return billed
 
     def attach_output(self, monitor: Any, site: LayerSite, record: Callable[..., Any]) -> None:

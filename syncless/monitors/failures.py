@@ -86,16 +86,18 @@ class Failures:
 
         return guarded
 
-    def guard_hooks(self, handles: list[RemovableHandle], place: str) -> None:
-        """Wrap the hooks behind ``handles`` (module and optimizer hooks) in place, so
-        that the adapters' own hook code, not only the monitors' callbacks, is guarded.
-        A handle whose hook is gone, or that is not torch's, is left as it is."""
-        for h in handles:
-            ref = getattr(h, "hooks_dict_ref", None)
-            hooks = ref() if callable(ref) else None
-            if hooks is None or h.id not in hooks:
-                continue
-            hooks[h.id] = self.guard(place, hooks[h.id])
+    def guard_hook(self, handle: RemovableHandle, place: str) -> None:
+        """Wrap the hook behind ``handle`` (a module or optimizer hook) in place, so that
+        the adapters' own hook code, not only the monitors' callbacks, is guarded. A
+        hook that is a monitor's callback itself (``MonitorContext.timed``: guarded
+        already), gone, or not torch's is left as it is."""
+        ref = getattr(handle, "hooks_dict_ref", None)
+        hooks = ref() if callable(ref) else None
+        if hooks is None or handle.id not in hooks:
+            return
+        fn = hooks[handle.id]
+        if not getattr(fn, "guarded", False):
+            hooks[handle.id] = self.guard(place, fn)
 
 
 def _origin(error: BaseException) -> str:

@@ -62,7 +62,6 @@ class MonitorHandle:
         run: Run | None,
         lagged: bool,
         emit: bool,
-        strict: bool = False,
         background: bool = False,
         on_nonfinite: Action = "warn",
     ) -> None:
@@ -74,10 +73,9 @@ class MonitorHandle:
         self.emit = emit
         self.last_records: Sequence[StepRecord] = []
         self.readouts: list[Readout] = []  # the most recent flush's readouts
-        self.strict = strict
-        # Exceptions caught in hooks, step, readouts and close (shared with the hooks).
+        # Exceptions caught in hooks, step, readouts and close (shared with the hooks);
+        # ``attach(strict=True)`` makes it raise them.
         self.failures = ctx.failures
-        self.failures.strict = strict
         self._failures_in_records = 0  # the count the latest records carry
         # Monitors attach() left out: nothing to watch in this model (name -> why).
         self.idle: dict[str, str] = {}

@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from syncless.run.atomic import replaced_when_written
+from syncless.run.compact import compact_rank
 from syncless.run.records import StepRecord, StepRecords
 from syncless.run.rundir import RunDirError
 from syncless.run.shards import list_folder, shard_name
@@ -206,8 +207,6 @@ class ParquetSink:
         """Merge this rank's small shards, on this (the writer's) thread: a query then
         opens a few files per rank, not one per flush. A failure is counted and
         reported once; the shards stay as they are (still read, never lost)."""
-        from syncless.run.compact import compact_rank
-
         self._since_compaction = 0
         try:
             stats = compact_rank(self.dir, self.rank, target_rows=LIVE_TARGET_ROWS)

@@ -145,6 +145,20 @@ def _train(handle_factory=None) -> tuple[list[float], list[torch.Tensor], object
     return losses, [p.detach().clone() for p in model.parameters()], handle
 
 
+def _planted(spec: Point, monkeypatch, calls: Calls, model, opt, **attach_kwargs):
+    """The monitors attached with the failure planted where ``spec`` says (before
+    attach, or into the handle's metric set after it)."""
+    if spec.before_attach:
+        spec.plant(monkeypatch, calls, None)
+    handle = attach(
+        model, build(MONITORS, optimizer=opt), lagged=False, budget=None, background=False,
+        **attach_kwargs,
+    )  # fmt: skip
+    if not spec.before_attach:
+        spec.plant(monkeypatch, calls, handle)
+    return handle
+
+
 @pytest.fixture(scope="module")
 def reference() -> tuple[list[float], list[torch.Tensor]]:
     losses, params, _ = _train()
@@ -159,18 +173,9 @@ def test_a_failure_is_counted_reported_once_and_training_goes_on(
     calls = Calls()
     run = Run(run_dir=tmp_path / "run")
 
-    def make(model, opt):
-        if spec.before_attach:
-            spec.plant(monkeypatch, calls, None)
-        handle = attach(
-            model, build(MONITORS, optimizer=opt), run=run, lagged=False, budget=None,
-            background=False,
-        )  # fmt: skip
-        if not spec.before_attach:
-            spec.plant(monkeypatch, calls, handle)
-        return handle
-
-    losses, params, handle = _train(make)
+    losses, params, handle = _train(
+        lambda model, opt: _planted(spec, monkeypatch, calls, model, opt, run=run)
+    )
     run.close()
     assert calls.n > 0, "the planted failure never fired"
     want_losses, want_params = reference
@@ -195,16 +200,9 @@ def test_a_failure_is_counted_reported_once_and_training_goes_on(
 def test_strict_raises_the_failure_where_it_happened(point, monkeypatch):
     spec = POINTS[point]
     calls = Calls()
-    if spec.before_attach:
-        spec.plant(monkeypatch, calls, None)
     model = _llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    handle = attach(
-        model, build(MONITORS, optimizer=opt), lagged=False, budget=None, background=False,
-        strict=True,
-    )  # fmt: skip
-    if not spec.before_attach:
-        spec.plant(monkeypatch, calls, handle)
+    handle = _planted(spec, monkeypatch, calls, model, opt, strict=True)
     ids = _batches()[0]
     reached = "forward"
     with pytest.raises(Injected):
