@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from syncless.capture.sink import CaptureSink, SafetensorsSink
+from syncless.capture.sink import CAPTURES_DIR, CaptureSink, SafetensorsSink
+from syncless.capture.sink_fsspec import FsspecSink
+from syncless.run.storage import is_remote
 
 if TYPE_CHECKING:
     from syncless.run import Run
@@ -152,6 +154,9 @@ def resolve_sink(
             raise ValueError(
                 "CaptureEngine: no sink: pass a CaptureSink, a run directory, or run=Run(...)"
             )
+        if is_remote(run.dir):  # a run in an object store keeps its captures there too
+            options = getattr(run.dir, "storage_options", None)
+            return FsspecSink(f"{run.dir}/{CAPTURES_DIR}", rank, storage_options=options)
         return SafetensorsSink(run.dir, rank)
     if isinstance(sink, (str, os.PathLike)):
         return SafetensorsSink(sink, rank)

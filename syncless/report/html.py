@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from syncless.errors import UsageError
+from syncless.run.storage import RunPath, run_path, write_whole
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -139,12 +140,13 @@ def page(data: RunData, parts: list[Section]) -> str:
     )
 
 
-def write(run_dir: str | Path, output: str | Path | None = None) -> Path:
-    """Write the report of ``run_dir`` (default ``RUN_DIR/report.html``); return its path."""
-    path = Path(output) if output else Path(run_dir) / "report.html"
+def write(run_dir: str | Path, output: str | Path | None = None) -> RunPath:
+    """Write the report of ``run_dir`` (default ``RUN_DIR/report.html``, in an object
+    store too); return its path."""
+    path = run_path(output) if output else run_path(run_dir) / "report.html"
     text = build(run_dir)
     try:
-        path.write_text(text, encoding="utf-8")
+        write_whole(path, text.encode())
     except OSError as e:
         raise UsageError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
     return path

@@ -13,11 +13,11 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from syncless.report.nesting import parents, positions
 from syncless.run.query_cli import warnings_on_stderr
+from syncless.run.storage import RunPath, run_path, write_whole
 from syncless.run.store import RunStore
 
 __all__ = ["Slice", "layout", "run", "trace_events"]
@@ -164,7 +164,7 @@ def trace_events(store: RunStore) -> list[dict]:
     return events
 
 
-def write_trace(run_dir: str | os.PathLike, output: str | os.PathLike | None = None) -> Path:
+def write_trace(run_dir: str | os.PathLike, output: str | os.PathLike | None = None) -> RunPath:
     """Write the trace JSON; return its path. Raises ValueError without profiler records."""
     with RunStore(run_dir) as store:
         events = trace_events(store)
@@ -173,7 +173,7 @@ def write_trace(run_dir: str | os.PathLike, output: str | os.PathLike | None = N
             f"{run_dir} has no profiler records: train with a Profiler "
             "(syncless demo --profile events) to trace"
         )
-    path = Path(output) if output else Path(run_dir) / "trace.json"
+    path = run_path(output) if output else run_path(run_dir) / "trace.json"
     doc = {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -183,7 +183,7 @@ def write_trace(run_dir: str | os.PathLike, output: str | os.PathLike | None = N
             "per step; positions within a step are reconstructed from the recorded nesting",
         },
     }
-    path.write_text(json.dumps(doc))
+    write_whole(path, json.dumps(doc).encode())
     return path
 
 

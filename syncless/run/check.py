@@ -7,11 +7,12 @@ command (exit status 0 healthy, 1 unhealthy, 2 usage error).
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import PurePath
 from typing import Any, NamedTuple, TextIO
 
 from rich import box
@@ -19,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from syncless.run.query_cli import to_stdout
+from syncless.run.storage import list_files
 from syncless.run.store import TABLES, RunStore, Shard
 
 # Per rank: the stride is the most common distance between its consecutive steps
@@ -140,9 +142,9 @@ def check(path: str | os.PathLike) -> RunHealth:
             ranks=[RankHealth(*r[:5], stride=r[5] or 1) for r in ranks],
             capture_errors=_capture_errors(store) if "captures" in store.tables else [],
             temp_files=sorted(
-                str(p)
+                str(store.path / folder / name)
                 for folder, _ in TABLES.values()
-                for p in (store.path / folder).glob(".*.tmp")
+                for name in fnmatch.filter(list_files(store.path / folder, "."), ".*.tmp")
             ),
         )
     by_rank = {r.rank: r for r in health.ranks}
@@ -166,12 +168,15 @@ def _capture_errors(store: RunStore) -> list[str]:
     _, extents = store.query(_CAPTURE_EXTENTS)
     for name, needed in extents:
         path = store.path / TABLES["captures"][0] / str(name)
-        if Path(str(name)).name != name:
+        if PurePath(str(name)).name != name:
             errors.append(f"capture index names {name!r}, a file outside captures/")
-        elif not path.is_file():
-            errors.append(f"capture file {path} is missing")
-        elif path.stat().st_size < needed:
+            continue
+        try:
             size = path.stat().st_size
+        except FileNotFoundError:
+            errors.append(f"capture file {path} is missing")
+            continue
+        if size < needed:
             errors.append(
                 f"capture file {path} is truncated: {size} bytes, its index needs {needed}"
             )

@@ -12,7 +12,10 @@ and only then are the inputs deleted. A reader ignores a shard another covers, s
 SIGKILL at any point leaves every record visible exactly once; the next compaction
 deletes what a killed one left covered. One compactor per rank at a time: a lock file
 per rank (``flock``, released when the process dies) keeps a background compactor and
-``syncless compact`` from merging crossing ranges.
+``syncless compact`` from merging crossing ranges. In an object store, which has no
+locks and no renames, the merged shard is one PUT and the lock an object created
+only if absent (syncless.run.storage); a compactor killed while holding it leaves it
+behind, and a lock older than ``STALE_LOCK_S`` is taken over.
 
 Sizes: ``TARGET_ROWS`` = 2**20 rows is 8 row groups of 131,072 rows (DuckDB scans a row
 group per thread; its own writer's default is 122,880) and about 4-8 MB on disk for
@@ -27,25 +30,37 @@ import argparse
 import contextlib
 import dataclasses
 import fcntl
+import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from syncless.run.atomic import replaced_when_written
 from syncless.run.rundir import METRICS_DIR, read_run_json
 from syncless.run.shards import Catalogue, ShardName, list_folder, shard_name
+from syncless.run.storage import (
+    RunPath,
+    is_remote,
+    read_metadata,
+    read_table,
+    remove,
+    run_path,
+    write_exclusive,
+    write_parquet,
+)
 
 __all__ = ["ROW_GROUP_ROWS", "TARGET_ROWS", "CompactStats", "compact_rank", "compact_run"]
 
 TARGET_ROWS = 1 << 20
 ROW_GROUP_ROWS = 1 << 17
+#: An object store's compaction lock this old was left by a compactor that died: a
+#: live one holds it for a merge of one rank (seconds; a day of a rank is one file).
+STALE_LOCK_S = 600.0
 
 
 @dataclass
@@ -71,7 +86,7 @@ class CompactStats:
 def compact_run(run_dir: str | os.PathLike, *, target_rows: int = TARGET_ROWS) -> CompactStats:
     """Compact every rank's shards of a run directory (``syncless compact RUN_DIR``)."""
     start = time.perf_counter()
-    folder = Path(run_dir) / METRICS_DIR
+    folder = run_path(run_dir) / METRICS_DIR
     stats = CompactStats()
     # One listing for every rank (a listing per rank cost 75 s on 10,240 shards of 1,024
     # ranks): a live writer that merges a rank's shards after it holds that rank's lock,
@@ -84,7 +99,7 @@ def compact_run(run_dir: str | os.PathLike, *, target_rows: int = TARGET_ROWS) -
 
 
 def compact_rank(
-    folder: Path,
+    folder: RunPath,
     rank: int,
     *,
     target_rows: int = TARGET_ROWS,
@@ -103,7 +118,7 @@ def compact_rank(
         if listing is None:
             listing = list_folder(folder, rank)
         for name, _ in listing.covered_by_rank().get(rank, []):
-            (folder / name).unlink(missing_ok=True)  # merged by a compaction killed before
+            remove(folder / name)  # merged by a compaction killed before
             stats.removed += 1
         shards = listing.by_rank().get(rank, [])
         stats.shards_before = stats.shards_after = len(shards)
@@ -126,14 +141,14 @@ def compact_rank(
     return stats
 
 
-def _known(folder: Path, entry: tuple[str, ShardName]) -> tuple[str, ShardName]:
+def _known(folder: RunPath, entry: tuple[str, ShardName]) -> tuple[str, ShardName]:
     """A shard named before the manifest, with its rows and steps from its footer (a
     shard that cannot be read keeps ``rows=None`` and is never merged)."""
     name, shard = entry
     if shard.rows is not None:
         return entry
     try:
-        meta = pq.read_metadata(folder / name)
+        meta = read_metadata(folder / name)
         step = meta.schema.names.index("step")
         stats = [meta.row_group(i).column(step).statistics for i in range(meta.num_row_groups)]
         if not all(s is not None and s.has_min_max for s in stats) or not stats:
@@ -175,7 +190,7 @@ def _plan(
     yield from done()
 
 
-def _merge(folder: Path, group: list[tuple[str, ShardName]]) -> int:
+def _merge(folder: RunPath, group: list[tuple[str, ShardName]]) -> int:
     """Write the merged shard of ``group``, then delete the inputs; the rows written."""
     # Concatenated in sequence order, not sorted: the rows stay in the order they were
     # written, which the trace's nesting and the summary's name order read (and which
@@ -183,7 +198,7 @@ def _merge(folder: Path, group: list[tuple[str, ShardName]]) -> int:
     tables = []
     for i, (name, _) in enumerate(group):
         try:
-            tables.append(pq.read_table(folder / name))
+            tables.append(read_table(folder / name))
         except (OSError, pa.ArrowException) as e:
             raise _Unreadable(i, str(e).splitlines()[0] if str(e) else type(e).__name__) from e
     table = pa.concat_tables(tables)
@@ -193,10 +208,9 @@ def _merge(folder: Path, group: list[tuple[str, ShardName]]) -> int:
         first.rank, first.first_seq, last.last_seq,
         (steps["min"].as_py(), steps["max"].as_py()), table.num_rows,
     )  # fmt: skip
-    with replaced_when_written(folder / name) as tmp:
-        pq.write_table(table, tmp, row_group_size=ROW_GROUP_ROWS)
+    write_parquet(table, folder / name, row_group_size=ROW_GROUP_ROWS)
     for old, _ in group:  # a kill from here on leaves them covered, not doubled
-        (folder / old).unlink(missing_ok=True)
+        remove(folder / old)
     return table.num_rows
 
 
@@ -209,9 +223,13 @@ class _Unreadable(Exception):
 
 
 @contextlib.contextmanager
-def _rank_lock(folder: Path, rank: int) -> Iterator[bool]:
+def _rank_lock(folder: RunPath, rank: int) -> Iterator[bool]:
     """Hold ``rank``'s compaction lock if no one else does (yields whether it got it)."""
     path = folder / f".compact-rank{rank:05d}.lock"
+    if is_remote(path):
+        with _object_lock(path) as held:
+            yield held
+        return
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
     try:
         try:
@@ -224,9 +242,38 @@ def _rank_lock(folder: Path, rank: int) -> Iterator[bool]:
         os.close(fd)  # releases the lock
 
 
+@contextlib.contextmanager
+def _object_lock(path: RunPath) -> Iterator[bool]:
+    """An object store's lock: an object created only if absent, deleted on release."""
+    body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()})
+    for attempt in range(2):
+        try:
+            write_exclusive(path, body.encode())
+            break
+        except FileExistsError:
+            if attempt or not _stale(path):
+                yield False
+                return
+            remove(path)  # its holder died: take it over
+    try:
+        yield True
+    finally:
+        remove(path)
+
+
+def _stale(lock: RunPath) -> bool:
+    try:
+        taken = json.loads(lock.read_text())["time"]
+    except FileNotFoundError:
+        return True  # released meanwhile
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # unreadable now: leave it to its holder
+    return time.time() - float(taken) > STALE_LOCK_S
+
+
 def run(args: argparse.Namespace) -> int:
     """``syncless compact RUN_DIR``: one line of what it did; exit 1 if a merge failed."""
-    read_run_json(Path(args.run_dir))  # a UsageError for what is not a run directory
+    read_run_json(args.run_dir)  # a UsageError for what is not a run directory
     stats = compact_run(args.run_dir)
     print(
         f"syncless compact: {stats.shards_before} shards -> {stats.shards_after} "

@@ -2,9 +2,9 @@
 
 Each batch becomes one shard, ``metrics/rank<RRRRR>-<SSSSSS>-<SSSSSS>.s<first>_<last>.n<rows>.parquet``
 (its rank, sequence number, steps and rows: syncless.run.shards), written under a
-hidden temporary name and renamed into place. A rename is atomic on POSIX file
-systems, so a process killed at any moment (SIGKILL included) leaves only whole shards
-behind: readers glob ``*.parquet`` and never see a half-written file.
+hidden temporary name and renamed into place, or in an object store put as one object
+(syncless.run.storage). Either is atomic, so a process killed at any moment (SIGKILL
+included) leaves only whole shards behind: readers never see a half-written file.
 """
 
 from __future__ import annotations
@@ -15,18 +15,16 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from syncless.run.atomic import replaced_when_written
 from syncless.run.compact import compact_rank
 from syncless.run.records import StepRecord, StepRecords
 from syncless.run.rundir import RunDirError
 from syncless.run.shards import list_folder, shard_name
+from syncless.run.storage import is_remote, run_path, write_parquet
 
 SCHEMA = pa.schema(
     [
@@ -98,9 +96,10 @@ class ParquetSink:
     ) -> None:
         if flush_interval_s <= 0:
             raise ValueError(f"flush_interval_s={flush_interval_s}: expected > 0 seconds")
-        self.dir = Path(metrics_dir)
+        self.dir = run_path(metrics_dir)
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            if not is_remote(self.dir):  # an object store has no directories
+                self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise RunDirError("create the metrics directory", self.dir, e) from e
         self.rank = rank
@@ -192,8 +191,7 @@ class ParquetSink:
             (steps["min"].as_py(), steps["max"].as_py()), table.num_rows,
         )  # fmt: skip
         try:
-            with replaced_when_written(self.dir / name) as tmp:
-                pq.write_table(table, tmp)
+            write_parquet(table, self.dir / name)
         except OSError as e:
             lost = f"{len(records)} record(s) lost"
             raise RunDirError("write the metric shard", self.dir / name, e, advice=lost) from e

@@ -6,7 +6,6 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from syncless.run.rundir import (
     start_segment,
 )
 from syncless.run.sinks import Sink
+from syncless.run.storage import RunPath, is_remote, run_path
 
 
 class _Claim(NamedTuple):
@@ -45,6 +45,10 @@ class Run:
     Every rank creates a ``Run``. Rank 0 claims the directory and writes ``run.json``;
     under torch.distributed its choice is broadcast once, so all ranks agree even across
     nodes. Each rank writes its own Parquet shards.
+
+    ``run_dir`` and ``root`` may be URLs (``s3://bucket/runs/x``, any fsspec protocol;
+    ``pip install "syncless[fsspec]"``): the run is written to the object store with
+    the same guarantees (syncless.run.storage, docs/run.md).
 
     Every run gets a directory of its own. A generated name (``runs/<time>-<name>``)
     that exists already gets a ``-2``, ``-3``, ... suffix. A ``run_dir`` that already
@@ -82,7 +86,7 @@ class Run:
         self.ranks = ranks or rank_info()
         self.strict = strict
         self.max_sink_errors = max_sink_errors
-        target = Path(run_dir) if run_dir is not None else None
+        target = run_path(run_dir) if run_dir is not None else None
         self.dir, self.next_step = self._open_dir(name, dict(config or {}), target, root, resume)
         self.name = self.dir.name
         self.parquet = ParquetSink(
@@ -97,10 +101,10 @@ class Run:
         self,
         name: str,
         config: dict[str, Any],
-        run_dir: Path | None,
+        run_dir: RunPath | None,
         root: str | os.PathLike,
         resume: bool,
-    ) -> tuple[Path, int]:
+    ) -> tuple[RunPath, int]:
         """(directory, next step) as rank 0 decided; its error raised on every rank."""
         grouped = self.ranks.world_size > 1 and dist.is_available() and dist.is_initialized()
         error: Exception | None = None
@@ -131,7 +135,10 @@ class Run:
             if claim.usage:
                 raise UsageError(claim.error)
             raise RuntimeError(f"rank 0 could not open the run directory: {claim.error}")
-        directory = Path(claim.path)
+        # The caller's own path where it is the one chosen: a UPath keeps its options.
+        directory = run_dir if str(run_dir) == claim.path else run_path(claim.path)
+        if is_remote(directory):
+            return directory, claim.next_step  # an object store has no directories
         try:
             directory.mkdir(parents=True, exist_ok=True)  # a node without rank 0's disk
         except OSError as e:
@@ -142,7 +149,7 @@ class Run:
         self,
         name: str,
         config: dict[str, Any],
-        run_dir: Path | None,
+        run_dir: RunPath | None,
         root: str | os.PathLike,
         resume: bool,
     ) -> _Claim:

@@ -15,7 +15,6 @@ creating or writing it becomes a :class:`RunDirError`: one line, the path and th
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -30,6 +29,17 @@ from typing import Any
 
 from syncless.errors import UsageError
 from syncless.run.shards import list_folder
+from syncless.run.storage import (
+    RunPath,
+    exists,
+    is_remote,
+    list_files,
+    read_metadata,
+    read_table,
+    run_path,
+    write_exclusive,
+    write_whole,
+)
 
 RUN_JSON = "run.json"
 METRICS_DIR = "metrics"
@@ -70,26 +80,38 @@ class RunDirError(UsageError):
     def __init__(
         self, action: str, path: str | os.PathLike, error: OSError, advice: str = CHOOSE_ANOTHER
     ) -> None:
-        self.path = Path(path)
+        self.path = run_path(path)
         # pyarrow puts its own words in strerror; the errno's are the ones users know.
         self.reason = os.strerror(error.errno) if error.errno else str(error)
         where = ""
         failed = Path(error.filename) if isinstance(error.filename, str) else None
-        if failed is not None and failed in self.path.parents:
+        if failed is not None and not is_remote(self.path) and failed in self.path.parents:
             where = f" (at {str(failed)!r})"  # a parent, made on the way
         super().__init__(f"cannot {action} {str(self.path)!r}{where}: {self.reason}; {advice}")
 
 
-def default_run_dir(name: str, root: str | os.PathLike = DEFAULT_ROOT) -> Path:
-    return Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+def default_run_dir(name: str, root: str | os.PathLike = DEFAULT_ROOT) -> RunPath:
+    return run_path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
 
 
-def make_unique_dir(proposed: Path) -> Path:
+def make_unique_dir(proposed: RunPath) -> RunPath:
     """Create ``proposed``, or else the first free of ``proposed-2``, ``proposed-3``, ...
 
     ``mkdir`` without ``exist_ok`` is the claim: atomic between processes, so two runs
-    started in the same second, which generate the same name, get two directories.
+    started in the same second, which generate the same name, get two directories. An
+    object store has no directories: the first prefix that holds nothing is taken, and
+    ``run.json``'s exclusive creation is the claim (the second of two runs that chose
+    the same prefix in the same instant gets a UsageError).
     """
+    if is_remote(proposed):
+        for n in range(1, MAX_SUFFIX + 1):
+            path = proposed if n == 1 else proposed.with_name(f"{proposed.name}-{n}")
+            if not exists(path):
+                return path
+        raise UsageError(
+            f"{MAX_SUFFIX} run directories named {str(proposed)!r}[-N] exist already; "
+            "pass a run name or directory of your own"
+        )
     try:
         proposed.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -109,11 +131,14 @@ def make_unique_dir(proposed: Path) -> Path:
     )
 
 
-def claim_run_dir(path: Path, resume: bool) -> bool:
+def claim_run_dir(path: RunPath, resume: bool) -> bool:
     """Make ``path``, a directory the user named, this run's; True if it resumes a run.
 
-    Creating it is the claim. An existing one goes through :func:`check_run_dir`.
+    Creating it is the claim (in an object store, creating ``run.json``). An existing
+    one goes through :func:`check_run_dir`.
     """
+    if is_remote(path):
+        return check_run_dir(path, resume)
     try:
         path.mkdir(parents=True)
     except FileExistsError:
@@ -123,7 +148,7 @@ def claim_run_dir(path: Path, resume: bool) -> bool:
     return False
 
 
-def check_run_dir(path: Path, resume: bool) -> bool:
+def check_run_dir(path: RunPath, resume: bool) -> bool:
     """Whether a run may start in ``path``; True if it would resume the run there.
 
     A missing or empty directory starts a new run. One that holds a run is refused
@@ -136,8 +161,8 @@ def check_run_dir(path: Path, resume: bool) -> bool:
         raise RunDirError("read the run directory", path, e) from e
 
 
-def _check_run_dir(path: Path, resume: bool) -> bool:
-    if not path.exists():
+def _check_run_dir(path: RunPath, resume: bool) -> bool:
+    if not exists(path):
         return False
     if not path.is_dir():
         raise UsageError(f"run directory {str(path)!r} exists and is not a directory")
@@ -164,7 +189,11 @@ def check_writable(path: Path) -> None:
 
     For a launcher that leaves the claim to the ranks it starts: every directory made
     here is removed again, so that one line stops the launch, not one error per rank.
+    An object store is not tried here (a write would leave an object behind): the
+    ranks' first write says what is wrong.
     """
+    if is_remote(path):
+        return
     try:
         made = [p for p in (path, *path.parents) if not p.exists()]
         if made:
@@ -181,17 +210,17 @@ def check_writable(path: Path) -> None:
             break  # taken meanwhile: it is no longer ours to remove
 
 
-def _contents(path: Path) -> str:
+def _contents(path: RunPath) -> str:
     """What ``path`` holds, in words; "" when empty (an empty metrics/ counts as empty:
     another rank may have made it already)."""
     entries = [p for p in path.iterdir() if not (p.name == METRICS_DIR and _empty(p))]
     if (path / RUN_JSON).is_file():
-        shards = len(list((path / METRICS_DIR).glob("*.parquet")))
+        shards = sum(n.endswith(".parquet") for n in list_files(path / METRICS_DIR))
         return f"a run ({RUN_JSON}, {shards} metric shard(s))"
     return f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}" if entries else ""
 
 
-def _empty(path: Path) -> bool:
+def _empty(path: RunPath) -> bool:
     return path.is_dir() and not any(path.iterdir())
 
 
@@ -227,43 +256,30 @@ def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def write_run_json(run_dir: Path, meta: dict[str, Any], exclusive: bool = False) -> None:
-    """Write ``run.json`` atomically (temp name, then rename).
+def write_run_json(run_dir: RunPath, meta: dict[str, Any], exclusive: bool = False) -> None:
+    """Write ``run.json`` whole (syncless.run.storage: a rename, or one PUT).
 
-    ``exclusive``: only if there is none yet (a hard link does not replace), so of two
-    runs starting in one empty directory, the second gets a UsageError.
+    ``exclusive``: only if there is none yet, so of two runs starting in one empty
+    directory, the second gets a UsageError.
     """
     doc = meta if "format" in meta else {"format": FORMAT, **meta}
-    tmp = run_dir / f".{RUN_JSON}.{os.getpid()}.tmp"
+    data = (json.dumps(doc, indent=2, default=str) + "\n").encode()
     try:
-        tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        _put_in_place(tmp, run_dir, exclusive)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)  # a full disk needs its space back
-        raise RunDirError(f"write {RUN_JSON} in", run_dir, e) from e
-
-
-def _put_in_place(tmp: Path, run_dir: Path, exclusive: bool) -> None:
-    if not exclusive:
-        os.replace(tmp, run_dir / RUN_JSON)
-        return
-    try:
-        os.link(tmp, run_dir / RUN_JSON)
+        if exclusive:
+            write_exclusive(run_dir / RUN_JSON, data)
+        else:
+            write_whole(run_dir / RUN_JSON, data)
     except FileExistsError:
-        tmp.unlink()
         raise UsageError(
             f"another run started in {str(run_dir)!r} at the same time; choose a new directory"
         ) from None
-    except OSError:  # a file system without hard links: the rename, not exclusive
-        os.replace(tmp, run_dir / RUN_JSON)
-        return
-    tmp.unlink()
+    except OSError as e:
+        raise RunDirError(f"write {RUN_JSON} in", run_dir, e) from e
 
 
 def read_run_json(run_dir: str | os.PathLike) -> dict[str, Any]:
     """Read a run's ``run.json``; raise UsageError if ``run_dir`` is not a syncless run."""
-    path = Path(run_dir)
+    path = run_path(run_dir)
     if not path.is_dir():
         raise UsageError(f"run directory {str(path)!r} does not exist")
     meta_path = path / RUN_JSON
@@ -300,7 +316,7 @@ def new_segment(world_size: int, config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def start_segment(run_dir: Path, name: str, segment: dict[str, Any], resumed: bool) -> None:
+def start_segment(run_dir: RunPath, name: str, segment: dict[str, Any], resumed: bool) -> None:
     """Record a start in ``run.json``: a new run's first segment, or one more segment of
     a resumed run (earlier segments are kept; the top-level keys stay the first's)."""
     if not resumed:
@@ -317,7 +333,7 @@ def start_segment(run_dir: Path, name: str, segment: dict[str, Any], resumed: bo
     write_run_json(run_dir, meta)
 
 
-def set_first_step(run_dir: Path, step: int) -> None:
+def set_first_step(run_dir: RunPath, step: int) -> None:
     """Fill in the latest segment's ``first_step``."""
     meta = read_run_json(run_dir)
     if meta.get("segments"):
@@ -325,7 +341,7 @@ def set_first_step(run_dir: Path, step: int) -> None:
         write_run_json(run_dir, meta)
 
 
-def last_step(run_dir: Path) -> int | None:
+def last_step(run_dir: RunPath) -> int | None:
     """The highest step in the run's readable metric shards, None when it has none.
 
     A resume most often follows a crash, which is when a shard is cut short: an
@@ -362,12 +378,11 @@ def last_step(run_dir: Path) -> int | None:
     return best
 
 
-def _shard_last_step(shard: Path) -> int | None:
+def _shard_last_step(shard: RunPath) -> int | None:
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     # Row-group statistics: no column data read, ~0.2 ms a shard.
-    meta = pq.ParquetFile(shard).metadata
+    meta = read_metadata(shard)
     step_col = meta.schema.names.index("step")
     best: int | None = None
     for i in range(meta.num_row_groups):
@@ -375,7 +390,7 @@ def _shard_last_step(shard: Path) -> int | None:
         if stats is not None and stats.has_min_max:
             high = int(stats.max)
         else:
-            high = pc.max(pq.read_table(shard, columns=["step"])["step"]).as_py()
+            high = pc.max(read_table(shard, columns=["step"])["step"]).as_py()
         if high is not None and (best is None or high > best):
             best = high
     return best

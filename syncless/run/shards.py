@@ -21,11 +21,11 @@ unknown until their footer is read.
 from __future__ import annotations
 
 import functools
-import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+
+from syncless.run.storage import RunPath, list_files
 
 _NAME = re.compile(
     r"^rank(?P<rank>\d{5})-(?P<lo>\d{6,})"
@@ -138,13 +138,7 @@ def catalogue(names: Iterable[str]) -> Catalogue:
     return Catalogue(visible, covered, sorted(other))
 
 
-def list_folder(folder: Path, rank: int | None = None) -> Catalogue:
-    """The catalogue of ``folder`` (one directory listing; no file is opened), or of
-    ``rank``'s shards alone (a writer's own: the other ranks' names are not parsed)."""
-    prefix = "" if rank is None else f"rank{rank:05d}-"
-    try:
-        with os.scandir(folder) as entries:  # the kind from the listing: no stat a file
-            names = [e.name for e in entries if e.name.startswith(prefix) and e.is_file()]
-    except FileNotFoundError:
-        names = []
-    return catalogue(names)
+def list_folder(folder: RunPath, rank: int | None = None) -> Catalogue:
+    """The catalogue of ``folder`` (one listing; no file is opened), or of ``rank``'s
+    shards alone (a writer's own: the other ranks' names are not parsed)."""
+    return catalogue(list_files(folder, "" if rank is None else f"rank{rank:05d}-"))

@@ -10,18 +10,26 @@ access off and the settings locked); a query must be one SELECT. Start at :class
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from syncless.errors import UsageError
 from syncless.run.parquet import SCHEMA
 from syncless.run.rundir import METRICS_DIR, read_run_json
 from syncless.run.shards import list_folder
+from syncless.run.storage import (
+    RunPath,
+    exists,
+    is_remote,
+    list_files,
+    read_metadata,
+    read_table,
+    run_path,
+)
 
 if TYPE_CHECKING:
     import duckdb
@@ -64,7 +72,7 @@ class UnreadableShardError(UsageError):
     ``path`` is the shard; the message names it and says why.
     """
 
-    def __init__(self, message: str, path: Path) -> None:
+    def __init__(self, message: str, path: RunPath) -> None:
         super().__init__(message)
         self.path = path
 
@@ -72,7 +80,7 @@ class UnreadableShardError(UsageError):
 class Shard(NamedTuple):
     """One Parquet file a table is read from."""
 
-    path: Path
+    path: RunPath
     table: str  # "metrics" or "captures"
     rows: int  # rows it holds; 0 when unreadable
     error: str | None  # why it could not be read; None when it was
@@ -133,15 +141,15 @@ class RunStore:
     """
 
     def __init__(self, path: str | os.PathLike, *, strict: bool = False, warn: bool = True) -> None:
-        self.path = Path(path)
+        self.path = run_path(path)
         self.strict = strict
         self.warn = warn
         self.info: dict[str, Any] = _read_info(self.path)
         #: Every shard of the latest listing, readable or not, by path.
-        self.shards: dict[Path, Shard] = {}
+        self.shards: dict[RunPath, Shard] = {}
         self._views: dict[str, list[str]] = {}  # table -> the real paths its view reads
-        self._read_whole: set[Path] = set()  # shards read whole without an error
-        self._real_folders: dict[Path, str] = {}  # folder -> its real path and a separator
+        self._read_whole: set[RunPath] = set()  # shards read whole without an error
+        self._real_folders: dict[RunPath, str] = {}  # folder -> its real path and a separator
         # Imported here: training processes write shards and never need DuckDB.
         import duckdb
 
@@ -166,6 +174,8 @@ class RunStore:
         connection (the allowed paths are fixed once access is off): ~5 ms."""
         con = self._duckdb.connect(":memory:", config=_CONFIG)
         try:
+            if is_remote(self.path):  # DuckDB reads the store through fsspec, as we do
+                con.register_filesystem(self.path.fs)
             allowed = ", ".join(_sql_string(f) for f in files)
             con.execute(f"SET allowed_paths = [{allowed}]")
             # Footers read once per connection: a report runs dozens of queries.
@@ -268,26 +278,29 @@ class RunStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _list(self, table: str, folder: Path) -> list[tuple[str, int | None]]:
+    def _list(self, table: str, folder: RunPath) -> list[tuple[str, int | None]]:
         """The table's shard file names now, with their rows where the name says them
         (metrics shards; no file is opened)."""
         if table != "metrics":
-            return [(p.name, None) for p in sorted(folder.glob(TABLES[table][1]))]
+            names = fnmatch.filter(list_files(folder), TABLES[table][1])
+            return [(name, None) for name in sorted(names)]
         listing = list_folder(folder)
         # Another name in the folder is read as a shard of unknown rows (a copy, a
         # rename by hand): its footer decides.
         odd = [n for n in listing.other if n.endswith(".parquet") and not n.startswith(".")]
         return [(name, s.rows) for name, s in listing.visible] + [(n, None) for n in odd]
 
-    def _real_folder(self, folder: Path) -> str:
+    def _real_folder(self, folder: RunPath) -> str:
         """``folder`` resolved, once a store, with a trailing separator: DuckDB checks
-        allowed paths by their real name (resolving each of 2,048 files cost 85 ms)."""
+        allowed paths by their real name (resolving each of 2,048 files cost 85 ms). An
+        object store's URL is its real name."""
         real = self._real_folders.get(folder)
         if real is None:
-            real = self._real_folders[folder] = f"{folder.resolve()}{os.sep}"
+            real = f"{folder}/" if is_remote(folder) else f"{folder.resolve()}{os.sep}"
+            self._real_folders[folder] = real
         return real
 
-    def _real(self, path: Path) -> str:
+    def _real(self, path: RunPath) -> str:
         return self._real_folder(path.parent) + path.name
 
     def _view(self, table: str, files: list[str]) -> None:
@@ -351,7 +364,7 @@ class RunStore:
         text = str(error)
         for path, shard in list(self.shards.items()):
             if shard.error is None and self._real(path) in text:
-                if not path.exists():  # compacted away since the listing
+                if not exists(path):  # compacted away since the listing
                     self.refresh()
                     return True
                 # pyarrow's reason where the footer is bad (what `check` says), else DuckDB's
@@ -368,7 +381,7 @@ class RunStore:
             if shard.error is not None or path in self._read_whole:
                 continue
             try:
-                pq.read_table(path)
+                read_table(path)
             except (OSError, pa.ArrowException) as e:
                 self._unreadable(shard, _first_line(e))
                 found = True
@@ -400,7 +413,7 @@ def open(path: str | os.PathLike, *, strict: bool = False) -> RunStore:
     return RunStore(path, strict=strict)
 
 
-def _read_info(path: Path) -> dict[str, Any]:
+def _read_info(path: RunPath) -> dict[str, Any]:
     """``run.json``, or a one-line UsageError for a path that is not a run directory."""
     try:
         if path.exists() and not path.is_dir():
@@ -411,11 +424,11 @@ def _read_info(path: Path) -> dict[str, Any]:
         raise UsageError(f"cannot read run directory {str(path)!r}: {reason}") from None
 
 
-def _inspect(table: str, path: Path) -> tuple[int, str | None]:
+def _inspect(table: str, path: RunPath) -> tuple[int, str | None]:
     """Rows and error of a shard from its footer alone: catches truncated files cheaply
     (0.05 ms a shard), and a metrics shard whose columns are not the schema."""
     try:
-        meta = pq.read_metadata(path)
+        meta = read_metadata(path)
         schema = meta.schema.to_arrow_schema()
     except (OSError, pa.ArrowException) as e:
         return 0, _first_line(e)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 import uuid
 from collections.abc import Iterator
@@ -11,6 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from moto_s3 import moto_s3
 
 from syncless.capture import CapturedRecord, FsspecSink, SafetensorsSink
 from syncless.capture import open as open_captures
@@ -152,34 +152,8 @@ def test_a_url_without_fsspec_installed_says_what_to_install(
 @pytest.fixture
 def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[dict, str]]:
     """storage_options for s3fs against a moto server on a free local port, and a bucket."""
-    server_module = pytest.importorskip(
-        "moto.server", reason='S3 test needs moto and s3fs: pip install "moto[server]" s3fs'
-    )
-    pytest.importorskip("s3fs", reason='S3 test needs s3fs: pip install "moto[server]" s3fs')
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.setenv(name, "testing")  # never the machine's real credentials
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    with socket.socket() as probe:  # a free port, released for the server to bind
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    options = {
-        "key": "testing",
-        "secret": "testing",
-        # No region_name: s3fs would send it as a LocationConstraint, which moto refuses
-        # for us-east-1 (AWS_DEFAULT_REGION above picks the region).
-        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
-        "skip_instance_cache": True,
-        "default_block_size": 5 << 20,  # S3's smallest part: a 12 MiB record is multipart
-    }
-    # moto keeps its buckets in process-wide state, across servers: one bucket per test.
-    bucket = f"captures-{uuid.uuid4().hex}"
-    fsspec.filesystem("s3", **options).mkdir(bucket)
-    try:
-        yield options, bucket
-    finally:
-        server.stop()
+    with moto_s3(monkeypatch, prefix="captures") as server:
+        yield server.options, server.bucket
 
 
 def test_s3_shards_read_back_byte_exact_and_numbering_continues(s3: tuple[dict, str]) -> None:

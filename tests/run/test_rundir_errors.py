@@ -60,13 +60,13 @@ def test_a_run_dir_in_a_read_only_directory(tmp_path):
 
 
 def test_a_full_disk_while_writing_run_json_leaves_no_partial_file(tmp_path, monkeypatch):
-    real_write_text = pathlib.Path.write_text
+    real_write_bytes = pathlib.Path.write_bytes
 
     def disk_fills(self, data, *args, **kwargs):
-        real_write_text(self, data[:10], *args, **kwargs)
+        real_write_bytes(self, data[:10], *args, **kwargs)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(pathlib.Path, "write_text", disk_fills)
+    monkeypatch.setattr(pathlib.Path, "write_bytes", disk_fills)
     err = _refused("cannot write run.json in", run_dir=tmp_path / "run")
     assert err.reason == "No space left on device"
     assert list((tmp_path / "run").iterdir()) == []
