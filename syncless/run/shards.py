@@ -117,7 +117,7 @@ def catalogue(names: Iterable[str]) -> Catalogue:
     parsed: dict[int, list[tuple[str, ShardName]]] = {}
     other: list[str] = []
     for name in names:
-        shard = parse(name)
+        shard = None if name.startswith(".") else parse(name)  # temporary files, locks
         if shard is None:
             other.append(name)
         else:
