@@ -274,8 +274,8 @@ class CaptureEngine:
         nbytes = tensor.nbytes
         defer = nbytes < self._defer_below if defer is None else check_defer(tag, defer)
         meta_json = None if meta is None else check_meta(meta)
-        if self._shortfall.started is None:
-            self._shortfall.started = time.monotonic()
+        if self._shortfall.started is None:  # the first capture: a call only then
+            self._shortfall.start()
         counts.offered_count += 1
         counts.offered_bytes += nbytes
         rec, reason = self._queue.try_reserve(tag, step, tensor, nbytes, meta_json)
