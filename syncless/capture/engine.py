@@ -141,6 +141,8 @@ class CaptureEngine:
         writers = writer_count(self._sink, cfg.writers, background)
         # Staging holds a shard per writer plus the one filling: all writers busy.
         shard_bytes = cfg.shard_bytes or staging_bytes // (writers + 1)
+        # The writer gives staging back to the drain, which is built next with the
+        # writer in hand: the lambda looks the drain up when a shard is written.
         self._writer = SinkWriter(
             self._sink,
             lambda: self._drain.release_staging(),
