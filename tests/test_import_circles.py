@@ -20,6 +20,10 @@ The graph is built with ``ast`` from the source files, without importing anythin
   ``__init__``, and a circle through it counts.
 - ``importlib.import_module`` with a computed name is not seen (it is how
   ``syncless.capture`` loads its torch modules lazily, one way only).
+
+A second test reads the same graph one level up, between the subsystems of
+ARCHITECTURE.md (``capture``, ``run``, ``demo``, ``cli``, ...): their dependencies point
+one way too.
 """
 
 from __future__ import annotations
@@ -166,3 +170,24 @@ def test_no_import_circles_in_syncless() -> None:
         for c in strongly_connected(graph)
     ]
     assert not circles, "import circles in syncless/:\n" + "\n".join(circles)
+
+
+def subsystem(module: str) -> str:
+    """The part of ``syncless`` a module belongs to: ``syncless.capture.engine`` is in
+    ``capture``, ``syncless.hot_path`` is ``hot_path``, the package itself ``syncless``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_no_circles_between_subsystems() -> None:
+    """ARCHITECTURE.md's direction: ``demo`` and ``cli`` use the rest, ``monitors`` use
+    ``metrics``, every subsystem may use ``run`` and ``guard``; none uses one that uses it."""
+    graph: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        graph.setdefault(subsystem(module), set())
+        for target in targets:
+            if subsystem(target) != subsystem(module):
+                graph[subsystem(module)].add(subsystem(target))
+                graph.setdefault(subsystem(target), set())
+    circles = [" -> ".join(a_cycle(graph, c)) for c in strongly_connected(graph)]
+    assert not circles, "subsystems of syncless/ that import each other:\n" + "\n".join(circles)
