@@ -1,5 +1,4 @@
-"""What ``CaptureEngine.capture()`` checks of its arguments, on every call, and how it
-is called from a ``torch.compile`` trace.
+"""What ``CaptureEngine.capture()`` checks of its arguments, on every call.
 
 Bad input raises ``ValueError`` saying what was expected; the checks are host
 metadata only (no sync).
@@ -9,18 +8,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from syncless.cuda_driver import stream_capturing
 from syncless.hot_path import hot_path
 
-if TYPE_CHECKING:
-    from syncless.capture.config import OnFull
-    from syncless.capture.engine import CaptureEngine
-
-__all__ = ["capture_outside_graph", "check_capture", "check_defer", "check_meta"]
+__all__ = ["check_capture", "check_defer", "check_meta"]
 
 
 @hot_path
@@ -73,22 +68,3 @@ def check_meta(meta: Mapping[str, Any]) -> str:
             f"capture(): meta must be JSON-serialisable (numbers, strings, lists, dicts; "
             f"not tensors, which would need a sync): {e}"
         ) from None
-
-
-# In a hook of a torch.compile'd module, dynamo traced into capture() and broke its
-# graph at the host calls inside: over two steps of three captures (aot_eager, torch
-# 2.13), 6 graphs and 15 breaks in capture()'s own code (perf_counter_ns, a lock,
-# is_conj, is_inference, ...). Through this, 5 graphs and a break at each call site.
-# capture() calls it when it finds itself traced; eager callers never get here.
-@torch.compiler.disable
-def capture_outside_graph(
-    engine: CaptureEngine,
-    tag: str,
-    tensor: torch.Tensor,
-    step: int | None,
-    meta: Mapping[str, Any] | None,
-    on_full: OnFull | None,
-    defer: bool | None,
-) -> bool:
-    """``engine.capture(...)``, run eagerly: one opaque call for dynamo."""
-    return engine.capture(tag, tensor, step=step, meta=meta, on_full=on_full, defer=defer)

@@ -15,13 +15,14 @@ One loop, on a thread of its own (or stepped by the caller, ``background=False``
    launch_plan`, the default on CUDA; otherwise when the drain sees the OPEN); without
    one (ordinary batching): copy the largest ready prefix that fits in staging.
 
-The worker runs the loop and its lifecycle; the requests are served by
-:mod:`syncless.capture.drain_requests`. The objects it owns hold the rest: the
-transfers in flight (:mod:`syncless.capture.drain_transfers`) and their copies into
-the pinned staging ring (:mod:`syncless.capture.staging_copy`), the windows
+The worker runs the loop, its thread and its wake-ups. The objects it owns hold the
+rest, each with its own state: the transfers in flight
+(:mod:`syncless.capture.drain_transfers`) and their copies into the pinned staging
+ring (:mod:`syncless.capture.staging_copy`), the windows
 (:mod:`syncless.capture.drain_windows`) and their reports
-(:mod:`syncless.capture.window_reports`), and batching without windows
-(:mod:`syncless.capture.drain_batching`).
+(:mod:`syncless.capture.window_reports`), batching without windows
+(:mod:`syncless.capture.drain_batching`) and the requests of other threads
+(:mod:`syncless.capture.drain_requests`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from syncless.hot_path import hot_path
 __all__ = ["DrainWorker", "WindowReport"]
 
 
-class DrainWorker(DrainRequests):
+class DrainWorker:
     """Moves ready records from the device ring to the writer (see the module docstring)."""
 
     def __init__(
@@ -78,8 +79,6 @@ class DrainWorker(DrainRequests):
         self._queue = queue
         self._device = ring.device
         self._timeline = boundary.timeline
-        self._ctl = controller
-        self._ctl_lock = controller_lock
         self._writer = writer
         self._stats = stats
         self._poll = poll_interval_s
@@ -87,8 +86,6 @@ class DrainWorker(DrainRequests):
         # Batching (no windows): captures leave their landing event to the drain
         # (syncless.capture.ring_copy explains why, and why not in windows).
         self.defer_landing = True
-        self._requests: deque[Request] = deque()  # served in order, by the drain only
-        self._requests_lock = threading.Lock()  # against a request racing the drain's death
         self._planned = planned
         self.error: BaseException | None = None
         self._wake = threading.Event()
@@ -136,6 +133,43 @@ class DrainWorker(DrainRequests):
             gather_s=gather_s,
             batch_bytes=batch_bytes,
         )
+        self._requests = DrainRequests(
+            queue=queue,
+            transfers=self._transfers,
+            windows=self._windows,
+            batching=self._batching,
+            staging=self._staging,
+            writer=writer,
+            stats=stats,
+            controller=controller,
+            controller_lock=controller_lock,
+            planned=planned,
+        )
+
+    # -- requests from other threads ----------------------------------------------------
+
+    def request(self, kind: str, need: int = 0) -> Request:
+        """Drain outside the windows: ``lifecycle`` (everything captured so far, written
+        by the sink), ``capacity`` (everything captured so far, out of the ring) or
+        ``block`` (until a record of ``need`` bytes fits)."""
+        req = Request(kind, self._queue.last_seq, need)
+        self._requests.submit(req)
+        self._wake.set()
+        return req
+
+    def wait(self, req: Request) -> None:
+        """Wait for ``req``: on the worker, or by stepping the drain here (inline mode)."""
+        if self._thread is not None:
+            req.done.wait()
+            return
+        while not req.done.is_set():
+            if not self.step():
+                self._idle()
+
+    def take_error(self) -> BaseException | None:
+        """What killed the worker, if not taken yet (strict mode raises it once)."""
+        err, self.error = self.error, None
+        return err
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -209,7 +243,7 @@ class DrainWorker(DrainRequests):
         host-bound training thread. Otherwise (windows on the CPU, a boundary the host
         has not published yet) look again after ``poll_interval_s`` or when woken.
         """
-        windowed = self._windowed()
+        windowed = self._windows.active()
         inflight = self._transfers.inflight
         if inflight and (self._timeline.blocks or not windowed):
             self._timeline.wait(inflight[0].end)
@@ -278,12 +312,11 @@ class DrainWorker(DrainRequests):
             self._die(e)
 
     def _die(self, err: BaseException) -> None:
-        self._windows.plan = None  # nothing is launched for a dead drain
-        with self._requests_lock:
-            self.error = err
-            self._queue.fail()
-            while self._requests:
-                self._requests.popleft().done.set()
+        self._windows.abandon_plan()  # nothing is launched for a dead drain
+        # In this order: a request done by fail() finds the error set.
+        self.error = err
+        self._queue.fail()
+        self._requests.fail()
         print(
             f"syncless: capture drain worker failed ({err!r}); new captures are dropped "
             f"(drain_error) and records left in the ring are counted as dropped at close()",
@@ -295,8 +328,8 @@ class DrainWorker(DrainRequests):
         self._windows.absorb_launched()
         progressed = self._transfers.finish()
         self._windows.observe()
-        progressed |= self._serve_requests()
-        windowed = self._windowed()
+        progressed |= self._requests.serve()
+        windowed = self._windows.active()
         self._eager = self._planned and windowed
         self.defer_landing = not windowed
         if not self._requests and len(self._transfers.inflight) < MAX_INFLIGHT:
@@ -308,8 +341,3 @@ class DrainWorker(DrainRequests):
                 progressed |= self._batching.batch(self.background)
         self._writer.poll()
         return progressed
-
-    def _windowed(self) -> bool:
-        with self._ctl_lock:
-            ctl = self._ctl
-            return ctl.pattern is not None and not ctl.suspended and not ctl.fallback

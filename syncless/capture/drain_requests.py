@@ -1,25 +1,24 @@
 """Drains outside the windows that other threads ask for: ``flush()`` and ``close()``
-(lifecycle), and captures waiting on a full ring (capacity, block). Served first, in
-order, by the drain's loop (:mod:`syncless.capture.drain`, step 3)."""
+(lifecycle), and captures waiting on a full ring (capacity, block).
+
+Any thread submits a :class:`Request` and waits on its ``done`` event; the drain's loop
+serves them first, in order (:mod:`syncless.capture.drain`, step 3).
+"""
 
 from __future__ import annotations
 
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from syncless.capture.controller import FlushKind
-
-if TYPE_CHECKING:
-    from syncless.capture.controller import GrantController
-    from syncless.capture.drain_batching import DrainBatching
-    from syncless.capture.drain_transfers import DrainTransfers
-    from syncless.capture.drain_windows import DrainWindows
-    from syncless.capture.records import RecordQueue
-    from syncless.capture.staging_copy import StagingCopier
-    from syncless.capture.stats import CaptureStats
-    from syncless.capture.writer import SinkWriter
+from syncless.capture.controller import FlushKind, GrantController
+from syncless.capture.drain_batching import DrainBatching
+from syncless.capture.drain_transfers import DrainTransfers
+from syncless.capture.drain_windows import DrainWindows
+from syncless.capture.records import RecordQueue
+from syncless.capture.staging_copy import StagingCopier
+from syncless.capture.stats import CaptureStats
+from syncless.capture.writer import SinkWriter
 
 __all__ = ["MAX_INFLIGHT", "DrainRequests", "Request"]
 
@@ -31,7 +30,7 @@ MAX_INFLIGHT = 2
 
 @dataclass(eq=False)
 class Request:
-    """A drain outside the windows that another thread asked for (:meth:`DrainRequests.request`)."""
+    """A drain outside the windows that another thread asked for (:meth:`DrainRequests.submit`)."""
 
     kind: str  # lifecycle | capacity | block
     upto: int  # lifecycle, capacity: drain every record up to this sequence number
@@ -41,65 +40,76 @@ class Request:
 
 
 class DrainRequests:
-    """``request``, ``wait`` and serving requests, for
-    :class:`~syncless.capture.drain.DrainWorker`.
+    """The requests waiting for one :class:`~syncless.capture.drain.DrainWorker`, and
+    how its loop serves them.
 
-    A mixin: the attributes below, ``step``, ``_idle`` and ``_windowed`` come from
-    ``DrainWorker``.
+    Any thread calls :meth:`submit`; the drain's thread calls :meth:`serve` and, when
+    it dies, :meth:`fail`. The requests are served through the worker's transfers,
+    with its windows, batching, staging, writer and controller.
     """
 
-    error: BaseException | None
-    _queue: RecordQueue
-    _requests: deque[Request]
-    _requests_lock: threading.Lock
-    _wake: threading.Event
-    _thread: threading.Thread | None
-    _planned: bool
-    _windows: DrainWindows
-    _stats: CaptureStats
-    _ctl: GrantController
-    _ctl_lock: threading.Lock
-    _writer: SinkWriter
-    _transfers: DrainTransfers
-    _staging: StagingCopier
-    _batching: DrainBatching
+    def __init__(
+        self,
+        *,
+        queue: RecordQueue,
+        transfers: DrainTransfers,
+        windows: DrainWindows,
+        batching: DrainBatching,
+        staging: StagingCopier,
+        writer: SinkWriter,
+        stats: CaptureStats,
+        controller: GrantController,
+        controller_lock: threading.Lock,
+        planned: bool,
+    ) -> None:
+        self._queue = queue
+        self._transfers = transfers
+        self._windows = windows
+        self._batching = batching
+        self._staging = staging
+        self._writer = writer
+        self._stats = stats
+        self._ctl = controller
+        self._ctl_lock = controller_lock
+        self._planned = planned
+        self._waiting: deque[Request] = deque()  # served in order, by the drain only
+        self._lock = threading.Lock()  # against a request racing the drain's death
+        self._failed = False  # the drain died: nobody serves requests any more
 
-    # -- requests from other threads -------------------------------------------------
+    def __len__(self) -> int:
+        """Requests waiting (served or not yet started)."""
+        return len(self._waiting)
 
-    def request(self, kind: str, need: int = 0) -> Request:
-        """Drain outside the windows: ``lifecycle`` (everything captured so far, written
-        by the sink), ``capacity`` (everything captured so far, out of the ring) or
-        ``block`` (until a record of ``need`` bytes fits)."""
-        req = Request(kind, self._queue.last_seq, need)
-        with self._requests_lock:
-            if self.error is not None:
+    # -- any thread -----------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        """Queue ``req`` for the drain; done at once if the drain has died."""
+        with self._lock:
+            if self._failed:
                 req.done.set()  # nobody will serve it: the caller sees drain_error
             else:
-                self._requests.append(req)
-        self._wake.set()
-        return req
+                self._waiting.append(req)
 
-    def wait(self, req: Request) -> None:
-        """Wait for ``req``: on the worker, or by stepping the drain here (inline mode)."""
-        if self._thread is not None:
-            req.done.wait()
-            return
-        while not req.done.is_set():
-            if not self.step():
-                self._idle()
+    # -- the drain's thread ---------------------------------------------------------
 
-    # -- 3. requests ----------------------------------------------------------------------
+    def fail(self) -> None:
+        """The drain died: every waiting request is done, and so is every later one."""
+        with self._lock:
+            self._failed = True
+            while self._waiting:
+                self._waiting.popleft().done.set()
 
-    def _serve_requests(self) -> bool:
-        if not self._requests:
+    def serve(self) -> bool:
+        """Work on the oldest request (step 3 of the drain's loop); True if anything moved."""
+        if not self._waiting:
             return False
         if self._planned:
             self._windows.drop_plan()  # a planned copy would take records the request drains now
-        req = self._requests[0]
+        req = self._waiting[0]
         if not req.started:
             req.started = True
             if req.kind == "block" and self._queue.can_fit(req.need):
-                self._requests.popleft()
+                self._waiting.popleft()
                 req.done.set()
                 return True
             self._stats.add(f"flush_{'lifecycle' if req.kind == 'lifecycle' else 'capacity'}_count")
@@ -107,10 +117,10 @@ class DrainRequests:
             with self._ctl_lock:
                 if self._ctl.pattern is not None:
                     self._ctl.flush(kind, self._windows.occurrence)
-        if self._request_done(req):
+        if self._done(req):
             if req.kind == "lifecycle":
                 self._writer.flush()
-            self._requests.popleft()
+            self._waiting.popleft()
             req.done.set()
             return True
         transfers = self._transfers
@@ -118,7 +128,7 @@ class DrainRequests:
             return False
         if transfers.send_oversized_head():
             return True
-        if req.kind == "block" and self._windowed():
+        if req.kind == "block" and self._windows.active():
             prefix = transfers.ready_prefix(self._staging.largest(), stop_after=req.need)
         else:
             # Batching, a flush goes in shard-sized transfers too: a capture blocked on a
@@ -126,7 +136,7 @@ class DrainRequests:
             # for one writer (4 writers stored 3.35 GB/s where the disk took 11.8 from
             # four threads; bench/capture_load.py, 9fc45db).
             upto = None if req.kind == "block" else req.upto
-            windowed = self._windowed()
+            windowed = self._windows.active()
             limit = self._staging.largest() if windowed else self._batching.limit()
             prefix = transfers.ready_prefix(limit, upto=upto)
         if not prefix:
@@ -135,7 +145,7 @@ class DrainRequests:
         transfers.issue(prefix, "flush")
         return True
 
-    def _request_done(self, req: Request) -> bool:
+    def _done(self, req: Request) -> bool:
         if self._queue.failed:
             return True
         if req.kind == "block":

@@ -100,6 +100,12 @@ class DrainWindows:
         self._retry_at: tuple[int, int] | None = None
         self.wake_at = -1
 
+    def active(self) -> bool:
+        """Windows decide the copies now: a pattern, not suspended, no fallback."""
+        with self._ctl_lock:
+            ctl = self._ctl
+            return ctl.pattern is not None and not ctl.suspended and not ctl.fallback
+
     # -- observe ------------------------------------------------------------------------
 
     def observe(self) -> None:
@@ -239,6 +245,10 @@ class DrainWindows:
         with self._plan_lock:
             while self._launched:
                 self._transfers.track(self._launched.popleft())
+
+    def abandon_plan(self) -> None:
+        """The drain died: nothing is launched from here on (nothing is counted either)."""
+        self.plan = None
 
     def drop_plan(self) -> None:
         """No plan from here on; a launch that took it first is absorbed."""

@@ -15,11 +15,12 @@ each window carries and the drain copies only then.
 Nothing is lost silently: a record is stored, or dropped and counted with a reason
 (:class:`~syncless.capture.stats.DropReason`). See docs/capture.md.
 
-Here: construction and the hot path (``capture()``, ``advance_boundary()``). The class
-is put together from parts, one module each: the checks and parts made once at
-construction (:mod:`syncless.capture.engine_setup`), windows, flush and close
-(:mod:`syncless.capture.engine_lifecycle`), and counters and reports
-(:mod:`syncless.capture.engine_report`).
+The engine owns its parts and is their only link: the device ring and its copier
+(:mod:`~syncless.capture.ring_copy`), the record queue (:mod:`~syncless.capture.records`),
+the boundary clock (:mod:`~syncless.capture.boundary`), the grant controller, the
+counters (:mod:`~syncless.capture.stats`), the writer (:mod:`~syncless.capture.writer`)
+and the drain (:mod:`~syncless.capture.drain`). docs/capture.md opens with who owns
+whom and which thread runs what.
 """
 
 from __future__ import annotations
@@ -33,12 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.compiler import is_compiling
 
-from syncless.capture.arguments import (
-    capture_outside_graph,
-    check_capture,
-    check_defer,
-    check_meta,
-)
+from syncless.capture.arguments import check_capture, check_defer, check_meta
 from syncless.capture.boundary import BoundaryClock
 from syncless.capture.config import (
     EngineConfig,
@@ -49,14 +45,14 @@ from syncless.capture.config import (
 )
 from syncless.capture.controller import ControllerConfig, GrantController
 from syncless.capture.drain import DrainWorker
-from syncless.capture.engine_lifecycle import EngineLifecycle
-from syncless.capture.engine_report import EngineReporting
 from syncless.capture.engine_setup import check_sizes, event_factory, resolve_controller
 from syncless.capture.records import VOID, WRITTEN, Record, RecordQueue
 from syncless.capture.ring_copy import RingCopier
 from syncless.capture.shortfall import Shortfall
 from syncless.capture.sink import CaptureSink
-from syncless.capture.stats import CaptureStats, DropReason, ThreadClock
+from syncless.capture.stats import GAUGES, SELF_COUNTERS, CaptureStats, DropReason, ThreadClock
+from syncless.capture.window_reports import WindowReport
+from syncless.capture.windows import WindowPattern
 from syncless.capture.writer import SinkWriter, writer_count
 from syncless.guard import allow_sync
 from syncless.hot_path import hot_path
@@ -71,7 +67,7 @@ __all__ = ["CaptureEngine", "EngineConfig", "OnFull"]
 _WAITABLE = (DropReason.RING_FULL, DropReason.RECORDS_FULL)
 
 
-class CaptureEngine(EngineLifecycle, EngineReporting):
+class CaptureEngine:
     """Captures tensors from training into a sink without a host sync on the hot path.
 
     Args:
@@ -145,6 +141,8 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
         writers = writer_count(self._sink, cfg.writers, background)
         # Staging holds a shard per writer plus the one filling: all writers busy.
         shard_bytes = cfg.shard_bytes or staging_bytes // (writers + 1)
+        # The writer gives staging back to the drain, which is built next with the
+        # writer in hand: the lambda looks the drain up when a shard is written.
         self._writer = SinkWriter(
             self._sink,
             lambda: self._drain.release_staging(),
@@ -278,8 +276,8 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
         nbytes = tensor.nbytes
         defer = nbytes < self._defer_below if defer is None else check_defer(tag, defer)
         meta_json = None if meta is None else check_meta(meta)
-        if self._shortfall.started is None:
-            self._shortfall.started = time.monotonic()
+        if self._shortfall.started is None:  # the first capture: a call only then
+            self._shortfall.start()
         counts.offered_count += 1
         counts.offered_bytes += nbytes
         rec, reason = self._queue.try_reserve(tag, step, tensor, nbytes, meta_json)
@@ -365,13 +363,176 @@ class CaptureEngine(EngineLifecycle, EngineReporting):
             "boundary_count", 1, "boundary_host_ms", (time.perf_counter_ns() - t0) / 1e6
         )
 
+    # -- windows (cold: declared once, or around a phase such as evaluation) ------------
+
+    def define_pattern(
+        self, pattern: WindowPattern, stream: torch.cuda.Stream | None = None
+    ) -> int:
+        """Declare recurring windows; returns the pattern's version.
+
+        Boundaries count from 0 again under a new pattern, ordered on ``stream`` (default:
+        the current stream) with the boundaries published there. Redefining the current
+        pattern keeps its version, its count and what the controller learnt.
+        """
+        self._check_open("define_pattern")
+        with self._ctl_lock:
+            before = self._ctl.version
+            version = self._ctl.define_pattern(pattern)
+        if version != before:
+            self._boundary.set_version(version, stream)
+        self._drain.notify()  # an idle batching drain sleeps until told
+        return version
+
+    def suspend(self) -> None:
+        """Enter a phase without windows (evaluation): the drain batches, nothing counts
+        against the windows, and nothing in it can trigger the fallback."""
+        self._check_open("suspend")
+        with self._ctl_lock:
+            self._ctl.suspend()
+        self._drain.notify()
+
+    def resume(self) -> None:
+        """Leave the phase entered by :meth:`suspend`."""
+        self._check_open("resume")
+        with self._ctl_lock:
+            self._ctl.resume()
+        self._drain.notify()
+
+    # -- the drain, flushed and closed (host waits: the end of a phase or of the run) ----
+
+    def poll(self) -> bool:
+        """Run one drain iteration on this thread (``background=False`` only)."""
+        if self._background:
+            raise RuntimeError("poll() is for background=False engines: the drain runs itself")
+        if self._closed:
+            return False
+        return self._drain.step()
+
+    def flush(self) -> None:
+        """Wait until every record captured so far is stored (or dropped and counted).
+
+        A host wait, outside any window: for the end of a phase, not for every step.
+        """
+        if self._strict:
+            self._raise_errors()
+        if self._closed or self._drain.error is not None:
+            return
+        self._drain.wait(self._drain.request("lifecycle"))
+        if self._strict:
+            self._raise_errors()
+
+    def close(self, step: int | None = None) -> None:
+        """Drain and store everything, stop the threads, close the sink. Idempotent.
+
+        A closed engine refuses captures (each counted as dropped, reason ``closed``)
+        and cannot be reopened. With a ``run``, a last :meth:`report` goes out at
+        ``step`` (default: the last step reported).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.close()
+        if self._drain.error is None:
+            self._drain.wait(self._drain.request("lifecycle"))
+        self._drain.stop()
+        if self._drain.error is not None:
+            # The drain died: what is left in the ring will never be stored.
+            count, nbytes = self._queue.abandon()
+            if count:
+                self._stats.drop(DropReason.DRAIN_ERROR, nbytes, count)
+        self._writer.close()
+        if self._run is not None:
+            self.report(self._last_step if step is None else step)
+        if self._strict:
+            self._raise_errors()
+
+    def __enter__(self) -> CaptureEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- numbers (cold: once per step at most) --------------------------------------------
+
+    def report(self, step: int) -> dict[str, float]:
+        """This step's numbers (counters since the last report, gauges now), sent to the
+        ``run`` as ``capture/step/*`` and ``capture/self/*`` step records.
+
+        ``capture/self/*`` is the engine's own cost: host time in ``capture()`` and
+        ``advance_boundary()``, drain loops, and the CPU time of the drain and writer
+        threads.
+        """
+        if self._strict:
+            self._raise_errors()
+        self._last_step = step
+        self._stats.add2(
+            "drain_cpu_ms",
+            self._thread_clock.advance(self._drain.thread),
+            "writer_cpu_ms",
+            sum(self._thread_clock.advance(t) for t in self._writer.threads),
+        )
+        values: dict[str, float] = {}
+        for name, value in self._stats.deltas().items():
+            values[f"capture/{'self' if name in SELF_COUNTERS else 'step'}/{name}"] = value
+        values["capture/self/drain_look_max_ms"] = self._stats.take_look_max()
+        gauges = self._gauges()
+        values.update({f"capture/step/{name}": gauges[name] for name in GAUGES})
+        if self._run is not None:
+            self._run.log(step, values)
+        return values
+
+    # Marked because _no_room reads them to explain the first drop for lack of room.
+    @hot_path
+    def counters(self) -> dict[str, float]:
+        """Every counter, cumulative since the engine started, and the gauges now."""
+        return {**self._stats.snapshot(), **self._gauges()}
+
+    def dropped(self) -> dict[str, int]:
+        """Dropped records by reason (every reason listed, zeros included)."""
+        return self._stats.dropped()
+
+    def window_reports(self) -> list[WindowReport]:
+        """What the engine reported for each recent window transfer (oldest first)."""
+        return list(self._drain.reports)
+
     # -- internals ------------------------------------------------------------------------
 
-    # Here rather than with flush and close: capture() raises through it in strict mode,
-    # so the linter checks it with the hot path.
+    def _gauges(self) -> dict[str, float]:
+        with self._ctl_lock:
+            fallback = self._ctl.fallback
+        return {
+            "pending_count": self._stats.balance(),
+            "ring_used_bytes": self._queue.used_bytes(),
+            "staging_used_bytes": self._drain.staging_used(),
+            "fallback": int(fallback),
+        }
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what}(): the capture engine is closed (it cannot be reopened)")
+
+    # capture() raises through it in strict mode, so the linter checks it with the hot path.
     def _raise_errors(self) -> None:
         for owner in (self._writer, self._drain):
-            err = owner.error
+            err = owner.take_error()  # raised once, like syncless.run's Parquet writer
             if err is not None:
-                owner.error = None  # raised once, like syncless.run's Parquet writer
                 raise RuntimeError(f"capture {type(owner).__name__} failed: {err!r}") from err
+
+
+# In a hook of a torch.compile'd module, dynamo traced into capture() and broke its
+# graph at the host calls inside: over two steps of three captures (aot_eager, torch
+# 2.13), 6 graphs and 15 breaks in capture()'s own code (perf_counter_ns, a lock,
+# is_conj, is_inference, ...). Through this, 5 graphs and a break at each call site.
+# capture() calls it when it finds itself traced; eager callers never get here.
+@torch.compiler.disable
+def capture_outside_graph(
+    engine: CaptureEngine,
+    tag: str,
+    tensor: torch.Tensor,
+    step: int | None,
+    meta: Mapping[str, Any] | None,
+    on_full: OnFull | None,
+    defer: bool | None,
+) -> bool:
+    """``engine.capture(...)``, run eagerly: one opaque call for dynamo."""
+    return engine.capture(tag, tensor, step=step, meta=meta, on_full=on_full, defer=defer)

@@ -227,6 +227,19 @@ class RecordQueue:
         with self.lock:
             return self.ring.live_bytes
 
+    def abandon(self) -> tuple[int, int]:
+        """The drain died: the records in flight will never be stored. Lets go of the
+        tensors of deferred copies and returns ``(records, bytes)`` left, the copies
+        that raised (already counted) left out."""
+        count = nbytes = 0
+        for i in range(len(self)):
+            rec = self.peek(i)
+            rec.source = rec.kept = None  # a deferred copy's tensor: not needed now
+            if rec.state != VOID:
+                count += 1
+                nbytes += rec.nbytes
+        return count, nbytes
+
     def close(self) -> None:
         """Refuse new records from now on (the drain still empties the queue)."""
         with self.lock:

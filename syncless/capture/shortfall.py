@@ -35,6 +35,10 @@ class Shortfall:
         self.started: float | None = None  # monotonic time of the first capture
         self.message: str | None = None
 
+    def start(self) -> None:
+        """The first capture: the rates are measured from now."""
+        self.started = time.monotonic()
+
     def drop(
         self,
         counters: Mapping[str, float],

@@ -51,9 +51,9 @@ __all__ = [
     "CapturedRecord",
     "MemorySink",
     "SafetensorsSink",
-    "ShardFiles",
     "ShardNumbers",
     "dtype_name",
+    "shard_stem",
 ]
 
 CAPTURES_DIR = "captures"
@@ -153,7 +153,11 @@ class CaptureSink(Protocol):
 class ShardNumbers:
     """Shard numbers for a sink whose ``write`` runs on several writer threads at once:
     each write takes the next number under a lock, and one that fails gives it back
-    when no later write has taken one (so a single writer never leaves a gap)."""
+    when no later write has taken one (so a single writer never leaves a gap).
+
+        with self._numbers.take() as seq:
+            write_files(shard_stem(rank, seq), records)
+    """
 
     def __init__(self, first: int) -> None:
         self._next = first
@@ -175,28 +179,12 @@ class ShardNumbers:
             self.written += 1
 
 
-class ShardFiles:
-    """A sink that writes each shard to files named by rank and shard number:
-    subclasses give the directory's next free number to :class:`ShardNumbers` and
-    write one shard in ``_write_shard``."""
-
-    rank: int
-    _numbers: ShardNumbers
-
-    @property
-    def shards_written(self) -> int:
-        return self._numbers.written
-
-    def write(self, records: Sequence[CapturedRecord]) -> None:
-        if records:
-            with self._numbers.take() as seq:
-                self._write_shard(f"rank{self.rank:05d}-{seq:06d}", records)
-
-    def _write_shard(self, stem: str, records: Sequence[CapturedRecord]) -> None:
-        raise NotImplementedError
+def shard_stem(rank: int, seq: int) -> str:
+    """The file name of shard ``seq`` of ``rank``, without its suffix."""
+    return f"rank{rank:05d}-{seq:06d}"
 
 
-class SafetensorsSink(ShardFiles):
+class SafetensorsSink:
     """One safetensors shard plus one Parquet index file per ``write``.
 
     Args:
@@ -209,6 +197,15 @@ class SafetensorsSink(ShardFiles):
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self._numbers = ShardNumbers(self._next_free_seq())
+
+    @property
+    def shards_written(self) -> int:
+        return self._numbers.written
+
+    def write(self, records: Sequence[CapturedRecord]) -> None:
+        if records:
+            with self._numbers.take() as seq:
+                self._write_shard(shard_stem(self.rank, seq), records)
 
     def _next_free_seq(self) -> int:
         # Resuming into an existing run directory must not overwrite earlier shards.

@@ -17,10 +17,10 @@ import pyarrow.parquet as pq
 
 from syncless.capture.sink import (
     CapturedRecord,
-    ShardFiles,
     ShardNumbers,
     index_table,
     shard_header,
+    shard_stem,
 )
 from syncless.errors import UsageError
 
@@ -52,7 +52,7 @@ def _renames_atomically(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-class FsspecSink(ShardFiles):
+class FsspecSink:
     """One safetensors shard plus one Parquet index object per ``write``, at a URL.
 
     The URL is the folder that gets the files, the equivalent of ``<run_dir>/captures``.
@@ -84,6 +84,15 @@ class FsspecSink(ShardFiles):
         self.rank = rank
         self._rename = _renames_atomically(self.fs)
         self._numbers = ShardNumbers(self._next_free_seq())
+
+    @property
+    def shards_written(self) -> int:
+        return self._numbers.written
+
+    def write(self, records: Sequence[CapturedRecord]) -> None:
+        if records:
+            with self._numbers.take() as seq:
+                self._write_shard(shard_stem(self.rank, seq), records)
 
     def _next_free_seq(self) -> int:
         # Resuming at a URL must not overwrite earlier shards. Listings may be cached

@@ -21,7 +21,15 @@ from enum import Enum
 
 from syncless.hot_path import hot_path
 
-__all__ = ["COUNTERS", "GAUGES", "CaptureStats", "DropReason", "ThreadClock", "ThreadCounts"]
+__all__ = [
+    "COUNTERS",
+    "GAUGES",
+    "SELF_COUNTERS",
+    "CaptureStats",
+    "DropReason",
+    "ThreadClock",
+    "ThreadCounts",
+]
 
 
 class DropReason(str, Enum):
@@ -83,6 +91,18 @@ COUNTERS: tuple[str, ...] = (
     "drain_look_ms",  # their CPU time (the longest: capture/self/drain_look_max_ms)
     "drain_cpu_ms",  # CPU time of the drain thread (Linux; 0 where unknown)
     "writer_cpu_ms",  # CPU time of the sink writer thread (Linux; 0 where unknown)
+)
+
+#: Counters reported under ``capture/self/`` (the engine's own cost), not ``capture/step/``.
+SELF_COUNTERS: frozenset[str] = frozenset(
+    {
+        "capture_host_ms",
+        "boundary_host_ms",
+        "drain_loops_count",
+        "drain_look_ms",
+        "drain_cpu_ms",
+        "writer_cpu_ms",
+    }
 )
 
 #: Instantaneous values (reported as they are when the step ends).

@@ -292,6 +292,12 @@ class SinkWriter:
                         self._release_staging()
             self._lock.notify_all()
 
+    def take_error(self) -> BaseException | None:
+        """The first sink error not taken yet (strict mode raises it once), or None."""
+        with self._lock:
+            err, self.error = self.error, None
+        return err
+
     def _wait_released(self) -> None:
         """Until every shard handed to the sink is written and its staging released."""
         with self._lock:

@@ -42,9 +42,9 @@ import triton
 import triton.language as tl
 
 from syncless.hot_path import hot_path
-from syncless.kernels import interpreting
 from syncless.kernels.attention_config import QKConfig, config_for, fp32_precision
 from syncless.kernels.rope import cos_strides, rounded
+from syncless.kernels.selection import interpreting
 
 _LOG2E = math.log2(math.e)
 _LN2: tl.constexpr = tl.constexpr(math.log(2.0))

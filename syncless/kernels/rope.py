@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from syncless.hot_path import hot_path
-from syncless.kernels import interpreting
+from syncless.kernels.selection import interpreting
 
 # Positions per program; every program walks all heads. A probe of 8 to 64 rows and 2
 # to 8 warps on bench/attention_kernel.py's four head_dim shapes (H200, d57017b) found

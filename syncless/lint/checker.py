@@ -2,7 +2,7 @@
 
 :class:`FunctionChecker` walks a function's statements in order, keeping the
 inferred type of each local name (merged at ``if``/``for``/``try`` joins), applies
-rules SL001-SL010 to every expression (the expression rules are in
+rules SL001-SL010 to every expression (through the :class:`ExpressionRules` it owns,
 :mod:`syncless.lint.expression_rules`; SL009 is checked here, on ``try`` and ``with``
 statements), and records the module functions the body calls, or passes to a call
 that runs them, with the types of the arguments passed: they are hot too.
@@ -58,7 +58,7 @@ class Analysis:
     returns: T = T.NOT
 
 
-class FunctionChecker(ExpressionRules):
+class FunctionChecker:
     """Applies the hot-path rules to one function, given its parameter types."""
 
     def __init__(
@@ -72,6 +72,7 @@ class FunctionChecker(ExpressionRules):
         self.fn = fn
         self.params = params
         self.ev = Evaluator(ctx, fn, returns)
+        self.rules = ExpressionRules(ctx, fn, self.ev, report=self._report, edge=self._edge)
         self.result = Analysis()
         self._returns: list[T] = []
         self._seen: set[tuple[str, int, int]] = set()
@@ -185,7 +186,7 @@ class FunctionChecker(ExpressionRules):
             env[stmt.target.id] = declared or inferred
 
     def _s_If(self, stmt: ast.If, env: Env) -> None:
-        self._truthy(stmt.test, env, "`if`")
+        self.rules.truthy(stmt.test, env, "`if`")
         self._expr(stmt.test, env)
         body, orelse = dict(env), dict(env)
         self._block(stmt.body, body)
@@ -193,7 +194,7 @@ class FunctionChecker(ExpressionRules):
         self._merge_into(env, [body, orelse])
 
     def _s_While(self, stmt: ast.While, env: Env) -> None:
-        self._truthy(stmt.test, env, "`while`")
+        self.rules.truthy(stmt.test, env, "`while`")
         self._expr(stmt.test, env)
         body = dict(env)
         self._block(stmt.body, body)
@@ -254,7 +255,7 @@ class FunctionChecker(ExpressionRules):
     _s_TryStar = _s_Try
 
     def _s_Assert(self, stmt: ast.Assert, env: Env) -> None:
-        self._truthy(stmt.test, env, "`assert`")
+        self.rules.truthy(stmt.test, env, "`assert`")
         self._expr(stmt.test, env)
         self._expr(stmt.msg, env)
 
@@ -269,7 +270,7 @@ class FunctionChecker(ExpressionRules):
                     if isinstance(bound, str):
                         branch[bound] = T.UNKNOWN
             if case.guard is not None:
-                self._truthy(case.guard, branch, "`case` guard")
+                self.rules.truthy(case.guard, branch, "`case` guard")
                 self._expr(case.guard, branch)
             self._block(case.body, branch)
             branches.append(branch)
@@ -320,9 +321,7 @@ class FunctionChecker(ExpressionRules):
             self._expr(node.value, env)
             env[node.target.id] = self.ev.typeof(node.value, env)
             return
-        check = getattr(self, "_c_" + type(node).__name__, None)
-        if check is not None:
-            check(node, env)
+        self.rules.check(node, env)
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.keyword):
                 child = child.value
@@ -335,7 +334,7 @@ class FunctionChecker(ExpressionRules):
             self._expr(gen.iter, inner)
             self.ev.bind(gen.target, self.ev.iter_shape(gen.iter, inner), inner)
             for condition in gen.ifs:
-                self._truthy(condition, inner, "comprehension filter")
+                self.rules.truthy(condition, inner, "comprehension filter")
                 self._expr(condition, inner)
         if isinstance(node, ast.DictComp):
             self._expr(node.key, inner)

@@ -1,17 +1,16 @@
 """The hot-path rules that look at one expression: SL001-SL008 and SL010.
 
-:class:`ExpressionRules` is the half of :class:`~syncless.lint.checker.FunctionChecker`
-that decides whether an expression breaks a rule: a tensor used as a condition, a
-mask index, a tensor formatted into a string, and every rule on calls (host copies,
-conversions, data-dependent shapes, schema changes, collectives). The checker walks
-the statements and calls ``_c_<NodeType>`` here for each expression it reaches; the
-rules report through the checker's ``_report`` and ``_edge``.
+:class:`ExpressionRules` decides whether an expression breaks a rule: a tensor used as
+a condition, a mask index, a tensor formatted into a string, and every rule on calls
+(host copies, conversions, data-dependent shapes, schema changes, collectives).
+:class:`~syncless.lint.checker.FunctionChecker` owns one per function: it walks the
+statements and hands each expression it reaches to :meth:`ExpressionRules.check`.
 """
 
 from __future__ import annotations
 
 import ast
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from syncless.lint import torchapi
 from syncless.lint.context import ModuleContext
@@ -21,51 +20,66 @@ from syncless.lint.resolver import Target
 from syncless.lint.scopes import FunctionInfo, terminal_name
 
 
-class ExpressionRules:
-    """The per-expression rule checks, mixed into :class:`FunctionChecker`.
+class Report(Protocol):
+    """Records a rule hit on ``node`` (the checker's ``_report``)."""
 
-    It reads the checker's module context, function and evaluator, and reports
-    through the checker's ``_report`` (a finding) and ``_edge`` (a hot callee).
+    def __call__(
+        self, rule: str, node: ast.AST, text: str, *, header_only: bool = False, above: bool = False
+    ) -> None: ...
+
+
+class Edge(Protocol):
+    """Records a module function the hot function runs (the checker's ``_edge``)."""
+
+    def __call__(self, fn: FunctionInfo, params: dict[str, T] | None = None) -> None: ...
+
+
+class ExpressionRules:
+    """The per-expression rule checks of one hot function.
+
+    Args:
+        ctx: the module's context (its index, imports and resolver).
+        fn: the function being checked.
+        ev: the checker's evaluator, whose types follow the walk.
+        report: records a finding.
+        edge: records a hot callee.
     """
 
-    ctx: ModuleContext
-    fn: FunctionInfo
-    ev: Evaluator
+    def __init__(
+        self, ctx: ModuleContext, fn: FunctionInfo, ev: Evaluator, *, report: Report, edge: Edge
+    ) -> None:
+        self.ctx = ctx
+        self.fn = fn
+        self.ev = ev
+        self._report = report
+        self._edge = edge
 
-    if TYPE_CHECKING:
+    def check(self, node: ast.expr, env: Env) -> None:
+        """Apply the rules on ``node`` itself (not its children: the walk reaches them)."""
+        check = getattr(self, "_c_" + type(node).__name__, None)
+        if check is not None:
+            check(node, env)
 
-        def _report(
-            self,
-            rule: str,
-            node: ast.AST,
-            text: str,
-            *,
-            header_only: bool = False,
-            above: bool = False,
-        ) -> None: ...
-
-        def _edge(self, fn: FunctionInfo, params: dict[str, T] | None = None) -> None: ...
-
-    def _truthy(self, node: ast.expr, env: Env, what: str) -> None:
+    def truthy(self, node: ast.expr, env: Env, what: str) -> None:
         """SL004 on ``node`` used as a condition (recursing through and/or/not)."""
         if isinstance(node, ast.BoolOp):
             for value in node.values:
-                self._truthy(value, env, what)
+                self.truthy(value, env, what)
         elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            self._truthy(node.operand, env, what)
+            self.truthy(node.operand, env, what)
         elif is_tensor(self.ev.typeof(node, env)):
             self._report("SL004", node, f"{what} on a tensor reads its value on the host")
 
     def _c_BoolOp(self, node: ast.BoolOp, env: Env) -> None:
         for value in node.values[:-1]:
-            self._truthy(value, env, "`and`/`or`")
+            self.truthy(value, env, "`and`/`or`")
 
     def _c_UnaryOp(self, node: ast.UnaryOp, env: Env) -> None:
         if isinstance(node.op, ast.Not):
-            self._truthy(node.operand, env, "`not`")
+            self.truthy(node.operand, env, "`not`")
 
     def _c_IfExp(self, node: ast.IfExp, env: Env) -> None:
-        self._truthy(node.test, env, "conditional expression")
+        self.truthy(node.test, env, "conditional expression")
 
     def _c_Subscript(self, node: ast.Subscript, env: Env) -> None:
         index = node.slice

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from syncless.lint import torchapi
+from syncless.lint.imports import ImportTable
 from syncless.lint.lattice import Env, Shape, T, element_of, holds_tensor, is_tensor, merge_must
-from syncless.lint.resolver import Target
-from syncless.lint.scopes import FunctionInfo
-
-if TYPE_CHECKING:
-    from syncless.lint.context import ModuleContext
+from syncless.lint.resolver import Resolver, Target
+from syncless.lint.scopes import ClassInfo, FunctionInfo
 
 _NOT_BUILTINS = frozenset(
     {
@@ -31,6 +29,17 @@ _NOT_BUILTINS = frozenset(
 _NOT_MODULES = ("math.", "numpy.", "os.", "time.", "json.", "re.")
 
 
+class ModuleFacts(Protocol):
+    """What the evaluator reads of the module around an expression
+    (:class:`~syncless.lint.context.ModuleContext` has it all)."""
+
+    imports: ImportTable
+    resolver: Resolver
+    module_env: dict[str, T]
+
+    def attribute_type(self, cls: ClassInfo, attr: str) -> T: ...
+
+
 class Evaluator:
     """Infers expression types inside one function (or at module level).
 
@@ -39,7 +48,7 @@ class Evaluator:
 
     def __init__(
         self,
-        ctx: ModuleContext,
+        ctx: ModuleFacts,
         scope: FunctionInfo | None,
         returns: Callable[[FunctionInfo], T],
     ) -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from syncless.hot_path import hot_path
-from syncless.profile.wrappers import CollectiveWrappers
 
 if TYPE_CHECKING:
     from syncless.profile.module_hooks import ModuleHandle
@@ -29,7 +30,7 @@ class _NullContext:
 _NULL = _NullContext()
 
 
-class NullProfiler(CollectiveWrappers):
+class NullProfiler:
     """``Profiler(mode="off")``: same API, no state, no timing, no collectives.
 
     ``section``/``step`` return one shared context object; ``collective`` and the
@@ -38,6 +39,7 @@ class NullProfiler(CollectiveWrappers):
 
     mode = "off"
     calibration = None
+    group = None  # the wrappers' default group, as a Profiler built without one
 
     @hot_path
     def section(self, name: str, category: str = "compute", bytes: int = 0) -> _NullContext:
@@ -73,6 +75,34 @@ class NullProfiler(CollectiveWrappers):
         self, name: str, fn: Callable[..., Any], *args: Any, rendezvous: bool = True, **kw: Any
     ) -> Any:
         return fn(*args, **kw)
+
+    @hot_path
+    def all_reduce(
+        self, tensor: torch.Tensor, *args: Any, name: str = "all_reduce",
+        rendezvous: bool = True, **kw: Any,
+    ) -> Any:  # fmt: skip
+        kw.setdefault("group", self.group)
+        return self.collective(name, dist.all_reduce, tensor, *args, rendezvous=rendezvous, **kw)
+
+    @hot_path
+    def all_to_all_single(
+        self, output: torch.Tensor, input: torch.Tensor, *args: Any, name: str = "all_to_all",
+        rendezvous: bool = True, **kw: Any,
+    ) -> Any:  # fmt: skip
+        kw.setdefault("group", self.group)
+        return self.collective(
+            name, dist.all_to_all_single, output, input, *args, rendezvous=rendezvous, **kw
+        )
+
+    @hot_path
+    def all_gather_into_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, *args: Any, name: str = "all_gather",
+        rendezvous: bool = True, **kw: Any,
+    ) -> Any:  # fmt: skip
+        kw.setdefault("group", self.group)
+        return self.collective(
+            name, dist.all_gather_into_tensor, output, input, *args, rendezvous=rendezvous, **kw
+        )
 
     def calibrate(self) -> None:
         return None

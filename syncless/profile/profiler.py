@@ -7,30 +7,31 @@ crosses ranks except the 1-element rendezvous all_reduce the caller asked for.
 Cold path: ``end_step`` turns the *previous* step's tokens into times; ``report``
 gathers one summary object per rank and builds the table and the step records.
 
-The class is put together from parts, one module each: span recording (sections,
-collectives, misuse: :mod:`syncless.profile.spans`), module forwards
-(:mod:`syncless.profile.module_hooks`) and the collective wrappers
-(:mod:`syncless.profile.wrappers`). This module holds setup, steps and reports.
+The profiler owns a :class:`~syncless.profile.spans.SpanRecorder`, which records this
+rank's sections, collectives, module forwards and steps; the profiler holds the
+settings, the distributed setup, the calibration and the cross-rank report.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from torch import nn
 
+from syncless.hot_path import hot_path
 from syncless.profile import report as _report
 from syncless.profile import summary as _summary
 from syncless.profile.calibrate import Calibration, calibrate
-from syncless.profile.module_hooks import ModuleHandle, ModuleHooks
-from syncless.profile.spans import ProfileMisuse, SpanRecorder, _Span
+from syncless.profile.module_hooks import ModuleHandle
+from syncless.profile.spans import ProfileMisuse, Span, SpanRecorder
 from syncless.profile.table import DISTORTION, render
-from syncless.profile.timers import make_timer
-from syncless.profile.wrappers import CollectiveWrappers
+from syncless.profile.timers import Timer, make_timer
 from syncless.run.console import print_wide
 
 # ModuleHandle and ProfileMisuse are defined next door; importable from here too.
@@ -38,8 +39,10 @@ __all__ = ["MODES", "ModuleHandle", "ProfileMisuse", "Profiler"]
 
 MODES = ("off", "events", "collectives", "sync")
 
+F = TypeVar("F", bound=Callable[..., Any])
 
-class Profiler(SpanRecorder, ModuleHooks, CollectiveWrappers):
+
+class Profiler:
     """Section profiler for training steps. ``Profiler(mode="off")`` is the shared no-op.
 
     Args:
@@ -94,40 +97,28 @@ class Profiler(SpanRecorder, ModuleHooks, CollectiveWrappers):
         self.console = console
         self._want_calibration = calibrate
         self.calibration: Calibration | None = None
-        self._timer = make_timer(mode, self.cuda)
-        # Collectives mode drains the device around collective spans only.
-        self._sync_collectives = self.cuda and mode == "collectives"
-        # Sections, interned on first use (warm-up): name -> id, and per-id metadata.
-        self._ids: dict[tuple[str, str], int] = {}
-        self._coll: dict[str, tuple[int, int, int, int]] = {}
-        self._meta: list[_summary.SectionTotals] = []
-        self._calls: list[int] = []
-        self._bytes: list[int] = []
-        self._host_ns: list[int] = []  # host-measured times (enqueue), added directly
-        self._time_ns: list[float] = []  # resolved device/host span times, this window
-        self._seen: list[bool] = []  # reported once: keep its row (stable record names)
-        self._by_name: dict[str, int] = {}  # raw name -> id, for end_section(name)
-        self._step_sid = self._intern("step", "step", "compute", None)
-        # Per-step hot state.
-        self._in_step = False
-        self._step: int | None = None
-        self._step_token: Any = None
-        self._stack: list[_Span] = []
-        self._spans: list[tuple[int, Any, Any]] = []
-        self._self_ns = 0
-        self._misuse = 0
-        self._warned: set[str] = set()
-        # Lagged steps whose tokens are not read yet: (span list, last token).
-        self._pending: list[tuple[list[tuple[int, Any, Any]], Any]] = []
-        # Report window.
-        self._w_steps = 0
-        self._steps_total = 0
-        self._last_step = -1
+        self._recorder = SpanRecorder(
+            make_timer(mode, self.cuda),
+            strict=strict,
+            nvtx=self.nvtx,
+            # Collectives mode drains the device around collective spans only.
+            sync_collectives=self.cuda and mode == "collectives",
+            group=group,
+        )
         # Distributed setup is lazy: the profiler may be built before init_process_group.
         self._dist_ready = False
         self._world = 1
         self._rank = 0
         self._rdv: torch.Tensor | None = None
+
+    @property
+    def _timer(self) -> Timer:
+        """The recorder's clock (tests and benches swap in their own)."""
+        return self._recorder.timer
+
+    @_timer.setter
+    def _timer(self, timer: Timer) -> None:
+        self._recorder.timer = timer
 
     # -- setup (cold) ---------------------------------------------------------------
 
@@ -144,6 +135,7 @@ class Profiler(SpanRecorder, ModuleHooks, CollectiveWrappers):
             )
             # The rendezvous payload: fixed at setup, never read on the host.
             self._rdv = torch.zeros(1, device=device)
+            self._recorder.use_rendezvous(self._rdv)
         if self._want_calibration:
             self._want_calibration = False
             self.calibrate()
@@ -167,87 +159,101 @@ class Profiler(SpanRecorder, ModuleHooks, CollectiveWrappers):
         if not self._dist_ready:
             self._setup()
             t_in = time.perf_counter_ns()  # calibration is billed to nobody's step
-        if self._in_step:
-            self._misused("begin", "begin_step() while a step is open; the open step is ended")
-            self.end_step()
-        self._step = self._last_step + 1 if step is None else step
-        self._in_step = True
-        self._step_token = self._timer.mark()
-        self._self_ns += time.perf_counter_ns() - t_in
+        self._recorder.begin_step(step, t_in)
 
     def end_step(self) -> None:
         """Close the open step and read the previous step's device times (lagged)."""
-        t_in = time.perf_counter_ns()
-        if not self._in_step:
-            self._misused("end", "end_step() without an open step; ignored")
-            return
-        if self._stack:
-            names = [self._meta[s._sid].name for s in self._stack]
-            self._misused("open-at-end", f"step ended with sections still open: {names}")
-            if self.nvtx:
-                for _ in self._stack:
-                    torch.cuda.nvtx.range_pop()  # keep the NVTX stack balanced
-            self._stack.clear()  # their spans are dropped: they have no end
-        end = self._timer.mark_end(self._step_token)
-        self._spans.append((self._step_sid, self._step_token, end))
-        self._calls[self._step_sid] += 1
-        self._in_step = False
-        self._last_step = self._step if self._step is not None else self._last_step + 1
-        self._resolve_pending()  # the previous step's tokens (lagged timers)
-        self._pending.append((self._spans, end))
-        self._spans = []
-        if not self._timer.lagged:
-            self._resolve_pending()
-        self._timer.swap()
-        self._w_steps += 1
-        self._steps_total += 1
-        self._self_ns += time.perf_counter_ns() - t_in
+        self._recorder.end_step()
 
     def step(self, step: int | None = None) -> _StepContext:
         """``with prof.step(n):`` = ``begin_step(n)`` ... ``end_step()``."""
         return _StepContext(self, step)
 
-    def _resolve_pending(self) -> None:
-        timer = self._timer
-        for spans, last in self._pending:
-            timer.wait(last)
-            for sid, a, b in spans:
-                self._time_ns[sid] += timer.elapsed_ns(a, b)
-        self._pending.clear()
+    # -- sections, collectives, module forwards (hot: the recorder's) --------------------
+
+    @hot_path
+    def section(self, name: str, category: str = "compute", bytes: int = 0) -> Span:
+        """A span: ``with prof.section("attn"):``. ``bytes`` per call gives GB/s.
+
+        Nesting is allowed; the same name under two parents shares one row.
+        """
+        recorder = self._recorder  # no frame of its own: a frame per span is host time
+        return Span(recorder, recorder.section_id(name, category), bytes)
+
+    def section_fn(self, name: str | None = None, category: str = "compute") -> Callable[[F], F]:
+        """Decorator: run the function inside ``section(name or fn.__name__)``."""
+        return self._recorder.section_fn(name, category)
+
+    @hot_path
+    def begin_section(self, name: str, category: str = "compute", bytes: int = 0) -> None:
+        """Open a section without a ``with`` block; close it with ``end_section(name)``."""
+        recorder = self._recorder
+        recorder.open_span(Span(recorder, recorder.section_id(name, category), bytes))
+
+    @hot_path
+    def end_section(self, name: str) -> None:
+        """Close the innermost open section called ``name``."""
+        self._recorder.end_section(name)
+
+    @hot_path
+    def collective(
+        self, name: str, fn: Callable[..., Any], *args: Any, rendezvous: bool = True, **kw: Any
+    ) -> Any:
+        """Call ``fn(*args, **kw)`` and time it as ``name/enqueue|rendezvous|transfer``.
+
+        With ``rendezvous=True`` (and a process group) a 1-element all_reduce on the same
+        group is issued right before ``fn``: the time spent in it is this rank's wait
+        for the last rank to arrive, so ``transfer`` holds the collective alone.
+        ``enqueue`` is host time inside ``fn`` (on gloo, which is synchronous, it
+        contains the transfer). Use blocking calls (no ``async_op=True``): with an
+        async op ``transfer`` only covers the enqueue.
+        """
+        return self._recorder.collective(name, fn, *args, rendezvous=rendezvous, **kw)
+
+    @hot_path
+    def all_reduce(
+        self, tensor: torch.Tensor, *args: Any, name: str = "all_reduce",
+        rendezvous: bool = True, **kw: Any,
+    ) -> Any:  # fmt: skip
+        """``dist.all_reduce`` through ``collective``."""
+        kw.setdefault("group", self.group)
+        return self.collective(name, dist.all_reduce, tensor, *args, rendezvous=rendezvous, **kw)
+
+    @hot_path
+    def all_to_all_single(
+        self, output: torch.Tensor, input: torch.Tensor, *args: Any, name: str = "all_to_all",
+        rendezvous: bool = True, **kw: Any,
+    ) -> Any:  # fmt: skip
+        """``dist.all_to_all_single`` through ``collective``."""
+        kw.setdefault("group", self.group)
+        return self.collective(
+            name, dist.all_to_all_single, output, input, *args, rendezvous=rendezvous, **kw
+        )
+
+    @hot_path
+    def all_gather_into_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, *args: Any, name: str = "all_gather",
+        rendezvous: bool = True, **kw: Any,
+    ) -> Any:  # fmt: skip
+        """``dist.all_gather_into_tensor`` through ``collective``."""
+        kw.setdefault("group", self.group)
+        return self.collective(
+            name, dist.all_gather_into_tensor, output, input, *args, rendezvous=rendezvous, **kw
+        )
+
+    def hook_module(
+        self, module: nn.Module, name: str, category: str = "compute", bytes: int = 0
+    ) -> list[ModuleHandle]:
+        """Time every forward of ``module`` as section ``name``; see
+        :meth:`SpanRecorder.hook_module <syncless.profile.spans.SpanRecorder.hook_module>`.
+        Returns a handle; ``remove()`` puts ``forward`` back."""
+        return self._recorder.hook_module(module, name, category, bytes)
 
     # -- report (cold, collective) ------------------------------------------------------
 
     def summary(self) -> _summary.RankSummary:
         """This rank's totals for the current window (reads any lagged events)."""
-        self._resolve_pending()
-        sections: dict[str, _summary.SectionTotals] = {}
-        for sid, meta in enumerate(self._meta):
-            if sid == self._step_sid:
-                continue
-            t = self._time_ns[sid] + self._host_ns[sid]
-            if self._calls[sid] == 0 and not self._seen[sid]:
-                continue  # e.g. the rendezvous part of a collective that never uses one
-            self._seen[sid] = True
-            sections[meta.name] = _summary.SectionTotals(
-                meta.name,
-                meta.category,
-                meta.kind,
-                meta.parent,
-                t,
-                self._calls[sid],
-                self._bytes[sid],
-            )
-        step = _summary.SectionTotals(
-            "step", "step", "step", None, self._time_ns[self._step_sid], self._w_steps
-        )
-        return _summary.RankSummary(
-            rank=self._rank,
-            steps=self._w_steps,
-            step_ns=self._time_ns[self._step_sid],
-            self_ns=float(self._self_ns),
-            misuse=self._misuse,
-            sections={"step": step, **sections},
-        )
+        return self._recorder.summary(self._rank)
 
     def report(
         self, step: int | None = None, *, force: bool = False, print_table: bool = False
@@ -258,15 +264,16 @@ class Profiler(SpanRecorder, ModuleHooks, CollectiveWrappers):
         must call it at the same points. ``force=True`` reports whatever the window
         holds. Raises ``ValueError`` if no step was ever completed (a setup bug).
         """
-        if self._in_step:
-            self._misused("report-in-step", "report() inside an open step; skipped")
+        recorder = self._recorder
+        if recorder.in_step:
+            recorder.misused("report-in-step", "report() inside an open step; skipped")
             return None
-        if self._steps_total == 0:
+        if recorder.steps_total == 0:
             raise ValueError(
                 "Profiler.report() before any completed step: wrap the training step in "
                 "`with prof.step(n):` (or begin_step()/end_step()) first"
             )
-        if self._w_steps == 0 or (not force and self._w_steps < self.report_every):
+        if recorder.window_steps == 0 or (not force and recorder.window_steps < self.report_every):
             return None
         mine = self.summary()
         if self._world > 1:
@@ -279,7 +286,7 @@ class Profiler(SpanRecorder, ModuleHooks, CollectiveWrappers):
         idx = next(i for i, s in enumerate(summaries) if s.rank == self._rank)
         rows = _summary.rows(summaries, idx)
         lates = _summary.late_ranks(summaries)
-        at = self._last_step if step is None else step
+        at = recorder.last_step if step is None else step
         key = "events-cpu" if self.mode == "events" and not self.cuda else self.mode
         table = render(
             f"profile: {mine.steps} step(s) to step {at}, rank {self._rank} of "
@@ -299,21 +306,10 @@ class Profiler(SpanRecorder, ModuleHooks, CollectiveWrappers):
             values=vals,
             records=_report.records(self.run_name, at, self._rank, vals),
         )
-        self._reset_window()
+        recorder.reset_window()
         if print_table:
             print_wide(self.console or Console(file=sys.stdout), table)
         return rep
-
-    def _reset_window(self) -> None:
-        n = len(self._meta)
-        # In place: hook_module's wrappers hold these lists.
-        self._time_ns[:] = [0.0] * n
-        self._calls[:] = [0] * n
-        self._bytes[:] = [0] * n
-        self._host_ns[:] = [0] * n
-        self._w_steps = 0
-        self._self_ns = 0
-        self._misuse = 0
 
 
 class _StepContext:

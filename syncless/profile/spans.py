@@ -1,12 +1,15 @@
-"""The profiler's hot path: sections and collectives recorded as spans of timer tokens.
+"""What one rank records: sections, collectives and module forwards as spans of timer
+tokens, in steps.
 
-:class:`SpanRecorder` is the recording side of :class:`~syncless.profile.profiler.Profiler`
-(a mixin: ``Profiler.__init__`` sets up the state it uses). Entering and leaving a
-section, and each collective, take a timestamp token from the timer, append ``(section
-id, start token, end token)`` to this step's span list and count the call; nothing waits
-for the device (except in the opt-in ``collectives``/``sync`` modes) and nothing crosses
-ranks except the 1-element rendezvous all_reduce the caller asked for. A section gets its
-id at its first use (interning). Misuse inside a step is counted, or raised as
+:class:`SpanRecorder` is the recording half of
+:class:`~syncless.profile.profiler.Profiler`, which owns one (the other half, setup
+and the cross-rank report, is the profiler's own). Entering and leaving a section, and
+each collective, take a timestamp token from the timer, append ``(section id, start
+token, end token)`` to this step's span list and count the call; nothing waits for the
+device (except in the opt-in ``collectives``/``sync`` modes) and nothing crosses ranks
+except the 1-element rendezvous all_reduce the caller asked for. A section gets its id
+at its first use (interning). At the end of a step the *previous* step's tokens are
+turned into times (lagged timers). Misuse inside a step is counted, or raised as
 :class:`ProfileMisuse` with ``strict=True``.
 """
 
@@ -20,13 +23,15 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from syncless.hot_path import hot_path
 from syncless.profile import names as _names
 from syncless.profile import summary as _summary
+from syncless.profile.module_hooks import ModuleHandle
 from syncless.profile.timers import Timer
 
-__all__ = ["ProfileMisuse", "SpanRecorder"]
+__all__ = ["ProfileMisuse", "Span", "SpanRecorder"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -35,7 +40,7 @@ class ProfileMisuse(RuntimeError):
     """Raised for in-step misuse only with ``strict=True``; otherwise it is counted."""
 
 
-class _Span:
+class Span:
     """The context manager ``Profiler.section`` returns (one small object per call)."""
 
     __slots__ = ("_bytes", "_prof", "_sid", "_token")
@@ -47,43 +52,74 @@ class _Span:
         self._token: Any = None
 
     @hot_path
-    def __enter__(self) -> _Span:
-        self._prof._open(self)
+    def __enter__(self) -> Span:
+        self._prof.open_span(self)
         return self
 
     @hot_path
     def __exit__(self, *exc: object) -> None:
-        self._prof._close(self)
+        self._prof.close_span(self)
 
 
 class SpanRecorder:
-    """Sections, collectives and misuse for :class:`~syncless.profile.profiler.Profiler`.
+    """Sections, collectives, module forwards and steps of one rank, timed by ``timer``.
 
-    A mixin: the attributes below are set up by ``Profiler.__init__`` (and
-    ``Profiler._setup``), which says what each one holds.
+    Args:
+        timer: the clock (:mod:`syncless.profile.timers`); tests swap in their own.
+        strict: raise :class:`ProfileMisuse` on misuse instead of counting it.
+        nvtx: also push/pop NVTX ranges per section (CUDA only).
+        sync_collectives: drain the device around collective spans (``collectives``
+            mode on CUDA).
+        group: the default process group of ``collective``'s rendezvous.
     """
 
-    strict: bool
-    nvtx: bool
-    group: dist.ProcessGroup | None
-    _timer: Timer
-    _sync_collectives: bool
-    _ids: dict[tuple[str, str], int]
-    _coll: dict[str, tuple[int, int, int, int]]
-    _meta: list[_summary.SectionTotals]
-    _calls: list[int]
-    _bytes: list[int]
-    _host_ns: list[int]
-    _time_ns: list[float]
-    _seen: list[bool]
-    _by_name: dict[str, int]
-    _in_step: bool
-    _stack: list[_Span]
-    _spans: list[tuple[int, Any, Any]]
-    _self_ns: int
-    _misuse: int
-    _warned: set[str]
-    _rdv: torch.Tensor | None
+    def __init__(
+        self,
+        timer: Timer,
+        *,
+        strict: bool,
+        nvtx: bool,
+        sync_collectives: bool,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.timer = timer
+        self.strict = strict
+        self.nvtx = nvtx
+        self._sync_collectives = sync_collectives
+        self._group = group
+        # The rendezvous payload, fixed once the process group is known (use_rendezvous).
+        self._rdv: torch.Tensor | None = None
+        # Sections, interned on first use (warm-up): name -> id, and per-id metadata.
+        self._ids: dict[tuple[str, str], int] = {}
+        self._coll: dict[str, tuple[int, int, int, int]] = {}
+        self._meta: list[_summary.SectionTotals] = []
+        self._calls: list[int] = []
+        self._bytes: list[int] = []
+        self._host_ns: list[int] = []  # host-measured times (enqueue), added directly
+        self._time_ns: list[float] = []  # resolved device/host span times, this window
+        self._seen: list[bool] = []  # reported once: keep its row (stable record names)
+        self._by_name: dict[str, int] = {}  # raw name -> id, for end_section(name)
+        self._step_sid = self._intern("step", "step", "compute", None)
+        # Per-step hot state.
+        self.in_step = False
+        self._step: int | None = None
+        self._step_token: Any = None
+        self._stack: list[Span] = []
+        self._spans: list[tuple[int, Any, Any]] = []
+        self.self_ns = 0  # the instruments' own host time, this window
+        self._misuse = 0
+        self._warned: set[str] = set()
+        # Lagged steps whose tokens are not read yet: (span list, last token).
+        self._pending: list[tuple[list[tuple[int, Any, Any]], Any]] = []
+        # Report window.
+        self.window_steps = 0
+        self.steps_total = 0
+        self.last_step = -1
+
+    def use_rendezvous(self, rdv: torch.Tensor | None) -> None:
+        """The 1-element tensor ``collective`` all_reduces before each collective (None:
+        not distributed, no rendezvous)."""
+        self._rdv = rdv
 
     # -- interning (a name's first use) -------------------------------------------------
 
@@ -100,12 +136,12 @@ class SpanRecorder:
     def _parent(self) -> str | None:
         return self._meta[self._stack[-1]._sid].name if self._stack else None
 
-    def _section_id(self, name: str, category: str) -> int:
+    def section_id(self, name: str, category: str) -> int:
         key = (name, category)
         sid = self._ids.get(key)
         if sid is None:
             if category not in _names.CATEGORIES:
-                self._misused(
+                self.misused(
                     "category",
                     f"unknown section category {category!r} for {name!r}; expected one of "
                     f"{_names.CATEGORIES} (recorded as 'compute')",
@@ -136,7 +172,7 @@ class SpanRecorder:
 
     # -- misuse ---------------------------------------------------------------------
 
-    def _misused(self, key: str, message: str) -> None:
+    def misused(self, key: str, message: str) -> None:
         self._misuse += 1
         if self.strict:
             raise ProfileMisuse(message)
@@ -152,12 +188,12 @@ class SpanRecorder:
     # -- sections (hot) ---------------------------------------------------------------
 
     @hot_path
-    def section(self, name: str, category: str = "compute", bytes: int = 0) -> _Span:
+    def section(self, name: str, category: str = "compute", bytes: int = 0) -> Span:
         """A span: ``with prof.section("attn"):``. ``bytes`` per call gives GB/s.
 
         Nesting is allowed; the same name under two parents shares one row.
         """
-        return _Span(self, self._section_id(name, category), bytes)
+        return Span(self, self.section_id(name, category), bytes)
 
     def section_fn(self, name: str | None = None, category: str = "compute") -> Callable[[F], F]:
         """Decorator: run the function inside ``section(name or fn.__name__)``."""
@@ -177,12 +213,12 @@ class SpanRecorder:
     @hot_path
     def begin_section(self, name: str, category: str = "compute", bytes: int = 0) -> None:
         """Open a section without a ``with`` block; close it with ``end_section(name)``."""
-        self._open(_Span(self, self._section_id(name, category), bytes))
+        self.open_span(Span(self, self.section_id(name, category), bytes))
 
     @hot_path
     def end_section(self, name: str) -> None:
         """Close the innermost open section called ``name``."""
-        if self._in_step:  # else its begin was counted already (outside a step)
+        if self.in_step:  # else its begin was counted already (outside a step)
             self._close_innermost(
                 self._by_name.get(name, -1),
                 f"end_section({name!r}): section {name!r} is not open",
@@ -192,37 +228,37 @@ class SpanRecorder:
         """Close the innermost open span of section ``sid`` (misuse if there is none)."""
         for span in reversed(self._stack):
             if span._sid == sid:
-                self._close(span)
+                self.close_span(span)
                 return
-        self._misused("not-open", not_open)
+        self.misused("not-open", not_open)
 
     @hot_path
-    def _open(self, span: _Span) -> None:
+    def open_span(self, span: Span) -> None:
         t_in = time.perf_counter_ns()
-        if not self._in_step:
-            self._misused("outside", "a section was entered outside a step; not timed")
+        if not self.in_step:
+            self.misused("outside", "a section was entered outside a step; not timed")
             return
         if self.nvtx:
             torch.cuda.nvtx.range_push(self._meta[span._sid].name)
         self._stack.append(span)
-        span._token = self._timer.mark()
-        self._self_ns += time.perf_counter_ns() - t_in
+        span._token = self.timer.mark()
+        self.self_ns += time.perf_counter_ns() - t_in
 
     @hot_path
-    def _close(self, span: _Span) -> None:
+    def close_span(self, span: Span) -> None:
         t_in = time.perf_counter_ns()
         if span._token is None:
             return  # entered outside a step: already counted at entry
-        end = self._timer.mark_end(span._token)
+        end = self.timer.mark_end(span._token)
         stack = self._stack
         if not stack or stack[-1] is not span:
             name = self._meta[span._sid].name
             if span not in stack:
-                self._misused("not-open", f"section {name!r} ended but it is not open")
+                self.misused("not-open", f"section {name!r} ended but it is not open")
                 span._token = None
                 return
             # Ended out of order: drop the sections opened inside it and still open.
-            self._misused("nesting", f"section {name!r} ended before the sections inside it")
+            self.misused("nesting", f"section {name!r} ended before the sections inside it")
             while stack[-1] is not span:
                 stack.pop()
                 if self.nvtx:
@@ -234,7 +270,7 @@ class SpanRecorder:
         self._calls[span._sid] += 1
         self._bytes[span._sid] += span._bytes
         span._token = None
-        self._self_ns += time.perf_counter_ns() - t_in
+        self.self_ns += time.perf_counter_ns() - t_in
 
     # -- collectives (hot) ------------------------------------------------------------
 
@@ -252,11 +288,11 @@ class SpanRecorder:
         async op ``transfer`` only covers the enqueue.
         """
         t_in = time.perf_counter_ns()
-        if not self._in_step:
-            self._misused("coll-outside", f"collective {name!r} outside a step; not timed")
+        if not self.in_step:
+            self.misused("coll-outside", f"collective {name!r} outside a step; not timed")
             return fn(*args, **kw)
         cid, eid, rid, tid = self._collective_ids(name)
-        timer = self._timer
+        timer = self.timer
         if self._sync_collectives:
             torch.cuda.synchronize()  # syncless: ok opt-in collectives mode
         a = timer.mark()
@@ -264,7 +300,7 @@ class SpanRecorder:
         b = a
         if rendezvous and self._rdv is not None:
             r0 = time.perf_counter_ns()
-            group = kw.get("group", self.group)
+            group = kw.get("group", self._group)
             # The rendezvous probe: its wait is the skew measurement the caller asked for.
             dist.all_reduce(self._rdv, group=group)  # syncless: collective-ok skew probe
             rdv_ns = time.perf_counter_ns() - r0
@@ -285,5 +321,183 @@ class SpanRecorder:
         self._calls[tid] += 1
         self._calls[eid] += 1
         self._host_ns[eid] += fn_ns
-        self._self_ns += time.perf_counter_ns() - t_in - fn_ns - rdv_ns
+        self.self_ns += time.perf_counter_ns() - t_in - fn_ns - rdv_ns
         return out
+
+    # -- module forwards (hot) -------------------------------------------------------
+
+    def hook_module(
+        self, module: nn.Module, name: str, category: str = "compute", bytes: int = 0
+    ) -> list[ModuleHandle]:
+        """Time every forward of ``module`` as section ``name``: its ``forward`` is
+        wrapped in one frame that opens the section, runs it and closes the section
+        (also when it raises). Returns a handle; ``remove()`` puts ``forward`` back.
+
+        Same spans as ``begin_section``/``end_section`` around the forward, for less
+        host time: the section id (at the first call, or here if the section exists)
+        and its span object are bound once, and a wrapper, unlike a forward-pre-hook
+        and a forward hook, does not take torch's hook dispatch (an identity module's call with the profiler's two hooks cost
+        3.51 us on the CI host, 2.36 of it with empty hooks, against 0.80 plain:
+        bench/RESULTS.md, hook_dispatch). A call the short path cannot take (outside a
+        step, a re-entered module, a section closed out of order, NVTX on) takes the
+        general path. Other hooks on the module run outside the section. A forward
+        traced by ``torch.compile`` (the module, or a model around it, compiled) is not
+        timed: the clock reads and event records would break the graph; time the
+        compiled region from outside it (``section`` around its call).
+        """
+        # Reused: one module's forwards do not overlap. A section seen before starts on
+        # the short path (the benchmarks hook a module again for every profiled step).
+        span = Span(self, self._ids.get((name, category), -1), bytes)
+        clock = time.perf_counter_ns
+        mark, mark_end = self.timer.mark, self.timer.mark_end
+        stack = self._stack  # cleared in place, never replaced
+        calls, sizes = self._calls, self._bytes
+        previous = module.__dict__.get("forward")  # another wrapper, or None
+        inner = module.forward
+
+        compiling = torch.compiler.is_compiling
+
+        @hot_path
+        def timed_forward(*args: Any, **kwargs: Any) -> Any:
+            if compiling():
+                # Traced into a torch.compile graph: a clock read or an event record
+                # would break it; a compiled module is timed from outside its graph.
+                return inner(*args, **kwargs)
+            t_in = clock()
+            if span._sid < 0 or span._token is not None or not self.in_step or self.nvtx:
+                self._open_slow(span, name, category, bytes)
+            else:
+                stack.append(span)
+                span._token = mark()
+                self.self_ns += clock() - t_in
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                t_in = clock()
+                token = span._token
+                if token is None or not stack or stack[-1] is not span or self.nvtx:
+                    self._close_slow(span)
+                else:
+                    end = mark_end(token)
+                    stack.pop()
+                    sid = span._sid
+                    self._spans.append((sid, token, end))
+                    calls[sid] += 1
+                    if bytes:
+                        sizes[sid] += bytes
+                    span._token = None
+                    self.self_ns += clock() - t_in
+
+        module.forward = timed_forward  # type: ignore[method-assign]
+        return [ModuleHandle(module, timed_forward, previous)]
+
+    def _open_slow(self, span: Span, name: str, category: str, nbytes: int) -> None:
+        """``hook_module``'s open when its short path does not apply."""
+        if span._token is not None:  # the module re-entered itself: a span of its own
+            self.begin_section(name, category, nbytes)
+            return
+        span._sid = self.section_id(name, category)  # interned at the first call
+        self.open_span(span)
+
+    def _close_slow(self, span: Span) -> None:
+        """``hook_module``'s close when its short path does not apply: close the
+        innermost open span of the section (a re-entered call's own span, or ``span``
+        with whatever was left open inside it)."""
+        if self.in_step:  # else, as end_section: its begin was counted already
+            name = self._meta[span._sid].name if span._sid >= 0 else "?"
+            self._close_innermost(span._sid, f"module section {name!r} ended but it is not open")
+
+    # -- steps ------------------------------------------------------------------------
+
+    def begin_step(self, step: int | None, t_in: int) -> None:
+        """Open step ``step`` (default: one more than the last); ``t_in`` is when the
+        caller's ``begin_step`` started, billed to the instruments."""
+        if self.in_step:
+            self.misused("begin", "begin_step() while a step is open; the open step is ended")
+            self.end_step()
+        self._step = self.last_step + 1 if step is None else step
+        self.in_step = True
+        self._step_token = self.timer.mark()
+        self.self_ns += time.perf_counter_ns() - t_in
+
+    def end_step(self) -> None:
+        """Close the open step and read the previous step's device times (lagged)."""
+        t_in = time.perf_counter_ns()
+        if not self.in_step:
+            self.misused("end", "end_step() without an open step; ignored")
+            return
+        if self._stack:
+            names = [self._meta[s._sid].name for s in self._stack]
+            self.misused("open-at-end", f"step ended with sections still open: {names}")
+            if self.nvtx:
+                for _ in self._stack:
+                    torch.cuda.nvtx.range_pop()  # keep the NVTX stack balanced
+            self._stack.clear()  # their spans are dropped: they have no end
+        end = self.timer.mark_end(self._step_token)
+        self._spans.append((self._step_sid, self._step_token, end))
+        self._calls[self._step_sid] += 1
+        self.in_step = False
+        self.last_step = self._step if self._step is not None else self.last_step + 1
+        self._resolve_pending()  # the previous step's tokens (lagged timers)
+        self._pending.append((self._spans, end))
+        self._spans = []
+        if not self.timer.lagged:
+            self._resolve_pending()
+        self.timer.swap()
+        self.window_steps += 1
+        self.steps_total += 1
+        self.self_ns += time.perf_counter_ns() - t_in
+
+    def _resolve_pending(self) -> None:
+        timer = self.timer
+        for spans, last in self._pending:
+            timer.wait(last)
+            for sid, a, b in spans:
+                self._time_ns[sid] += timer.elapsed_ns(a, b)
+        self._pending.clear()
+
+    # -- the report window (cold) -------------------------------------------------------
+
+    def summary(self, rank: int) -> _summary.RankSummary:
+        """This rank's totals for the current window (reads any lagged events)."""
+        self._resolve_pending()
+        sections: dict[str, _summary.SectionTotals] = {}
+        for sid, meta in enumerate(self._meta):
+            if sid == self._step_sid:
+                continue
+            t = self._time_ns[sid] + self._host_ns[sid]
+            if self._calls[sid] == 0 and not self._seen[sid]:
+                continue  # e.g. the rendezvous part of a collective that never uses one
+            self._seen[sid] = True
+            sections[meta.name] = _summary.SectionTotals(
+                meta.name,
+                meta.category,
+                meta.kind,
+                meta.parent,
+                t,
+                self._calls[sid],
+                self._bytes[sid],
+            )
+        step = _summary.SectionTotals(
+            "step", "step", "step", None, self._time_ns[self._step_sid], self.window_steps
+        )
+        return _summary.RankSummary(
+            rank=rank,
+            steps=self.window_steps,
+            step_ns=self._time_ns[self._step_sid],
+            self_ns=float(self.self_ns),
+            misuse=self._misuse,
+            sections={"step": step, **sections},
+        )
+
+    def reset_window(self) -> None:
+        """Start the next report window: every per-section total back to zero."""
+        n = len(self._meta)
+        # In place: hook_module's wrappers hold these lists.
+        self._time_ns[:] = [0.0] * n
+        self._calls[:] = [0] * n
+        self._bytes[:] = [0] * n
+        self._host_ns[:] = [0] * n
+        self.window_steps = 0
+        self.self_ns = 0
+        self._misuse = 0

@@ -1,8 +1,9 @@
 """``syncless report RUN_DIR``: one self-contained HTML file about a run.
 
-:func:`build` loads the run (``report/data.py``), asks each section module for its
-sections and assembles the page: inline CSS, plotly.js inlined once, then every
-figure as a div and a script. Sections a run lacks are left out. The user's view is
+:func:`build` loads the run (``report/data.py``), asks each section module
+(``report/sections_*.py``) for its sections and assembles the page: inline CSS,
+plotly.js inlined once, then every figure as a div and a script. The sections are
+built from the parts in ``report/page_parts.py``. Sections a run lacks are left out. The user's view is
 ``docs/report.md``.
 """
 
@@ -13,16 +14,16 @@ import html
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from syncless.errors import UsageError
+from syncless.report import sections_layers, sections_run, sections_time, sections_usage
+from syncless.report.page_parts import Section, figure, table
 from syncless.run.storage import RunPath, run_path, write_whole
 
 if TYPE_CHECKING:
-    import plotly.graph_objects as go
-
     from syncless.report.data import RunData
 
 __all__ = ["Section", "build", "figure", "run", "table", "write"]
@@ -49,45 +50,8 @@ td.n { text-align: right; font-variant-numeric: tabular-nums; }
 """
 
 
-class Section(NamedTuple):
-    """One part of the page: an anchor id, a heading and its HTML body."""
-
-    anchor: str
-    title: str
-    body: str
-
-
-def figure(fig: go.Figure, anchor: str, height: int = 340) -> str:
-    """A figure as a div and its script; plotly.js itself is inlined once by ``page``."""
-    fig.update_layout(height=height, margin={"l": 60, "r": 20, "t": 40, "b": 40})
-    config = {"displaylogo": False, "responsive": True}
-    body = fig.to_html(
-        full_html=False, include_plotlyjs=False, div_id=f"fig-{anchor}", config=config
-    )
-    return f'<div class="chart">{body}</div>'
-
-
-def table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
-    """An HTML table; numbers are right-aligned and printed with 4 significant digits."""
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(_cell(v) for v in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
-def _cell(value: object) -> str:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return f"<td>{html.escape(str(value))}</td>"
-    return (
-        f'<td class="n">{value:.4g}</td>'
-        if isinstance(value, float)
-        else (f'<td class="n">{value:,}</td>')
-    )
-
-
 def sections(data: RunData) -> list[Section]:
     """Every section the run has data for, in page order."""
-    from syncless.report import sections_layers, sections_run, sections_time, sections_usage
-
     builders: list[Callable[[RunData], list[Section]]] = [
         sections_run.sections,
         sections_layers.sections,

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import numpy as np
 
 from syncless.report.data import Cells, RunData
-from syncless.report.html import Section, figure
+from syncless.report.page_parts import Section, figure
 
 __all__ = ["HEATMAPS", "Heatmap", "sections", "worst_cell"]
 

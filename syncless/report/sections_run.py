@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from syncless.report.data import RunData
-from syncless.report.html import Section, figure, table
+from syncless.report.page_parts import Section, figure, table
 
 __all__ = ["SYNCLESS_AREAS", "sections", "step_time"]
 

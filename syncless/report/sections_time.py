@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from syncless.report.data import RunData, Series
-from syncless.report.html import Section, figure, table
 from syncless.report.nesting import parents
+from syncless.report.page_parts import Section, figure, table
 from syncless.report.sections_run import step_time
 
 __all__ = ["recorded_parents", "sections", "top_level"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from syncless.report.data import RunData
-from syncless.report.html import Section, figure, table
+from syncless.report.page_parts import Section, figure, table
 from syncless.report.sections_run import step_time
 
 __all__ = ["sections"]
