@@ -62,9 +62,16 @@ ARGS = {
 TIMEOUT_S = {"capture_drain": 120, "capture_host": 90, "capture_load": 150}
 
 
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment with ``tree`` first on ``PYTHONPATH`` (wheels carried to the
+    device machine stay importable behind it)."""
+    rest = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(tree) + (os.pathsep + rest if rest else "")}
+
+
 def which_syncless(tree: Path, python: str) -> str:
     """Where ``import syncless`` finds the package with ``PYTHONPATH=tree``."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = tree_env(tree)
     code = "import syncless, os; print(os.path.dirname(os.path.abspath(syncless.__file__)))"
     # From this folder, as the benchmarks run: ``-c`` puts the working directory first
     # on sys.path, and a repository root holds a syncless/ of its own.
@@ -75,7 +82,7 @@ def which_syncless(tree: Path, python: str) -> str:
 
 
 def run_one(name: str, tree: Path, args: list[str], log: Path, python: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = tree_env(tree)
     cmd = [python, str(BENCH / f"{name}.py"), *args]
     start = time.perf_counter()
     try:
@@ -139,7 +146,7 @@ def device_line(python: str, tree: Path) -> str:
         "print((f'{n}x ' + torch.cuda.get_device_name()) if n else "
         "f'CPU ({os.cpu_count()} cores)', '|', 'torch', torch.__version__)"
     )
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = tree_env(tree)
     out = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, cwd=BENCH)
     return out.stdout.strip() or "unknown device"
 
