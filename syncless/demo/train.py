@@ -197,7 +197,8 @@ def _train_in(
         if expert_parallel
         else LocalDispatcher()
     )
-    model = MoETransformer(cfg, dispatcher).to(device)
+    with torch.device(device):  # built in place: no CPU init and copy of every weight
+        model = MoETransformer(cfg, dispatcher)
     init_weights(model, cfg.seed)
     optimizer = _optimizer(model, cfg, device)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
