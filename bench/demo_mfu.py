@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -177,12 +178,15 @@ def _shape(config: dict) -> str:
 
 
 def _outcome(result: Path | str, warmup: int) -> Measured | str:
+    """The run's numbers; its directory is removed (captures run to gigabytes)."""
     if isinstance(result, str):
         return result
     try:
         return measure(result, warmup)
     except Exception as e:  # a run that logged too little says so in the line
         return f"unreadable ({type(e).__name__}: {e})"
+    finally:
+        shutil.rmtree(result, ignore_errors=True)
 
 
 def before_after(args: argparse.Namespace, tmp: Path) -> list[str]:

@@ -41,10 +41,13 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+def grouped_mm_supported(
+    device: torch.device, dtype: torch.dtype, dims: tuple[int, ...] = ()
+) -> bool:
     """Whether ``torch._grouped_mm`` runs here without reading its offsets to the host.
 
-    On CUDA its fast path needs compute capability 9.x or 10.x and bf16; elsewhere it
+    On CUDA its fast path needs compute capability 9.x or 10.x, bf16, and matrix
+    dimensions (``dims``: d_model, hidden) that are 16-byte multiples; elsewhere it
     falls back to a loop over ``offs.cpu()``, a sync per call. The CPU kernel is that
     same loop, with no device to wait for.
     """
@@ -52,18 +55,21 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if device.type == "cpu":
         return True
-    if device.type != "cuda" or dtype != torch.bfloat16:
+    if device.type != "cuda" or dtype != torch.bfloat16 or any(n % 8 for n in dims):
         return False
     return torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
-def resolve_impl(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``auto`` -> ``grouped`` or ``padded`` for this device and compute dtype."""
+def resolve_impl(
+    name: str, device: torch.device, dtype: torch.dtype, dims: tuple[int, ...] = ()
+) -> str:
+    """``auto`` -> ``grouped`` or ``padded`` for this device, compute dtype and the
+    experts' ``dims`` (d_model, hidden)."""
     if name not in EXPERT_IMPLS:
         raise ValueError(f"unknown expert impl {name!r}; expected one of {EXPERT_IMPLS}")
     if name != "auto":
         return name
-    return "grouped" if grouped_mm_supported(device, dtype) else "padded"
+    return "grouped" if grouped_mm_supported(device, dtype, dims) else "padded"
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -163,7 +169,8 @@ class Experts(nn.Module):
         key = (device, dtype)
         impl = self._resolved.get(key)
         if impl is None:
-            impl = self._resolved[key] = resolve_impl(self.impl, device, dtype)
+            dims = tuple(self.w_gate.shape[1:])
+            impl = self._resolved[key] = resolve_impl(self.impl, device, dtype, dims)
         return impl
 
     @staticmethod

@@ -71,7 +71,9 @@ def run_facts(cfg: DemoConfig, device: torch.device, world: int) -> dict:
     return {
         "world_size": world,
         "device": str(device),
-        "expert_impl_used": resolve_impl(cfg.expert_impl, device, dtype),
+        "expert_impl_used": resolve_impl(
+            cfg.expert_impl, device, dtype, (cfg.d_model, cfg.expert_hidden)
+        ),
         "ep_mode": cfg.ep_mode() if cfg.expert_parallel and world > 1 else None,
         "flops_per_token": flops_per_token(cfg),
         "peak_flops": peak.flops,
