@@ -267,16 +267,19 @@ def _train_in(
                 if enqueued is not None:
                     enqueued(step)
 
-            prof.begin_section("log", category="sync")
-            # The previous logged step's statistics, read now that this step is queued
-            # behind it (syncless.demo.steplog). A stop signal deferred on any rank
-            # (signals.stop_on) rides in them: every rank stops after the same step.
-            stop = _read(log, result)
-            if not stop and (step % cfg.log_every == 0 or step == final):
-                # pacing/* under --expert-parallel
-                host = {"demo/step/lr": lr, **dispatcher.report()}
-                log.issue(step, loss, balance, grad_norm, pending_stop(), host)
-            prof.end_section("log")
+            logged = step % cfg.log_every == 0 or step == final
+            stop = False
+            if logged or log.pending is not None:
+                prof.begin_section("log", category="sync")
+                # The previous logged step's statistics, read now that this step is queued
+                # behind it (syncless.demo.steplog). A stop signal deferred on any rank
+                # (signals.stop_on) rides in them: every rank stops after the same step.
+                stop = _read(log, result)
+                if logged and not stop:
+                    # pacing/* under --expert-parallel
+                    host = {"demo/step/lr": lr, **dispatcher.report()}
+                    log.issue(step, loss, balance, grad_norm, pending_stop(), host)
+                prof.end_section("log")
             if stop:  # the same step on every rank: their closes match up
                 raise Stopped(pending_stop() or signal.SIGTERM)
             dispatcher.end_step()
