@@ -1,6 +1,6 @@
 """The demo on one GPU: tokens/s, MFU and step-time CV, before and after (issue 38).
 
-    BEFORE=/path/to/old/tree python bench/demo_mfu.py     # before/after, one call, ~7 min
+    BEFORE=/path/to/old/tree python bench/demo_mfu.py     # before/after, one call, <= 9 min
     python bench/demo_mfu.py --impls                       # grouped vs padded vs loop experts
     python bench/demo_mfu.py --sweep [--quick]             # candidate shapes for `large`
     python bench/demo_mfu.py --smoke --no-record           # every mode, tiny, on a CPU
@@ -19,8 +19,9 @@ PYTHONPATH set to its tree); the numbers come from its run directory: rank 0's
 [--warmup, steps): tokens/s = tokens per step x steps / their summed time; MFU =
 tokens/s x FLOPs per token / the GPU's bf16 peak, this tree's formula
 (syncless.demo.flops) applied to each run's config, before's included; CV = standard
-deviation / mean of the per-step times. Before runs --before-steps (default 60: the
-old demo is host-bound and slow, and the call must fit in 8 minutes).
+deviation / mean of the per-step times. Before runs --before-steps (default 50: the
+old demo is host-bound and slow, and the call must fit in one 10-minute device call;
+--budget-s skips, and says so, any run that would start too late).
 
 Both trees log every step (`--log-every 1`), so every step has its own time: this
 tree reads a logged step a step late without waiting (syncless.demo.steplog); the old
@@ -100,6 +101,7 @@ class Measured:
 
 
 _PEAK = None
+DEADLINE = float("inf")  # time.monotonic() by which every run must be done (--budget-s)
 
 
 def _device_peak():
@@ -150,6 +152,10 @@ def measure(run_dir: Path, warmup: int) -> Measured:
 def run_demo(tree: Path, argv: list[str], steps: int, tmp: Path, name: str,
              timeout_s: float) -> Path | str:  # fmt: skip
     """Run one demo in its own process; its run directory, or why it failed."""
+    left = DEADLINE - time.monotonic()
+    if left < 60:  # the call's budget: report what ran rather than be killed mid-way
+        return "skipped: the call's --budget-s ran out"
+    timeout_s = min(timeout_s, left)
     run_dir = tmp / name
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-m", "syncless.cli", "demo", *argv, "--steps", str(steps),
@@ -248,10 +254,19 @@ def sync_check(args: argparse.Namespace, tmp: Path) -> str:
         census = f"--sync-census 2: {counts} syncs per step (steps 1, 2)"
     child = [sys.executable, __file__, "--sync-check-child", "--preset", args.preset,
              *(["--smoke"] if args.smoke else [])]  # fmt: skip
-    p = subprocess.run(child, capture_output=True, text=True, timeout=args.timeout,
-                       env={**os.environ, "PYTHONPATH": str(HERE)})  # fmt: skip
-    found = [line for line in p.stdout.splitlines() if line.startswith("SYNC ")]
-    check = found[-1][5:] if found else f"sync check failed: {p.stderr.strip()[-300:]}"
+    left = DEADLINE - time.monotonic()
+    if left < 60:
+        check = "the step under the CUDA sync debug mode: skipped, the call's --budget-s ran out"
+    else:
+        try:
+            p = subprocess.run(child, capture_output=True, text=True,
+                               timeout=min(args.timeout, left),
+                               env={**os.environ, "PYTHONPATH": str(HERE)})  # fmt: skip
+        except subprocess.TimeoutExpired:
+            check = "the step under the CUDA sync debug mode: timed out"
+        else:
+            found = [line for line in p.stdout.splitlines() if line.startswith("SYNC ")]
+            check = found[-1][5:] if found else f"sync check failed: {p.stderr.strip()[-300:]}"
     return f"this tree's step, syncs on the device: {census}; {check}"
 
 
@@ -357,6 +372,9 @@ def main() -> None:
     parser.add_argument("--before-steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None, help="first measured step")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="seconds for the whole call: runs that would start later are "
+                        "skipped and say so (default 540: one 10-minute device call)")  # fmt: skip
     parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     args, args.demo_args = parser.parse_known_args()
     small, one_tree = args.smoke, args.sweep or args.impls
@@ -367,9 +385,11 @@ def main() -> None:
     if args.steps is None:
         args.steps = 12 if small else (30 if args.quick else 60) if one_tree else 120
     if args.before_steps is None:
-        args.before_steps = 12 if small else 60
+        args.before_steps = 12 if small else 50
     if args.warmup is None:
         args.warmup = 4 if small else 10 if one_tree else 20
+    global DEADLINE
+    DEADLINE = time.monotonic() + args.budget_s
     with tempfile.TemporaryDirectory() as tmp:
         if args.impls:
             lines = impls(args, Path(tmp))
