@@ -157,3 +157,37 @@ def test_a_whole_demo_run_has_no_unintended_sync(tmp_path):
 def test_no_sync_is_not_vacuous_here():
     with pytest.raises(SyncError), no_sync():
         torch.ones(2).sum().item()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_auto_runs_without_a_sync_and_matches_the_loop():
+    """bf16 autocast on CUDA: ``auto`` (grouped on sm90/sm100, else padded) under
+    ``no_sync()``, which adds torch.cuda.set_sync_debug_mode("error"), against the loop."""
+    device = torch.device("cuda")
+    g = torch.Generator(device).manual_seed(0)
+    t, d, h, n, k = 4096, 256, 512, 8, 2
+    x = torch.randn(t, d, device=device, generator=g)
+    experts = torch.rand(t, n, device=device, generator=g).topk(k, dim=-1).indices
+    weights = torch.rand(t, k, device=device, generator=g)
+    params = [torch.randn(n, d, h, device=device, generator=g) * 0.05,
+              torch.randn(n, d, h, device=device, generator=g) * 0.05,
+              torch.randn(n, h, d, device=device, generator=g) * 0.05]  # fmt: skip
+    results = {}
+    for impl in ("auto", "loop"):
+        with torch.device(device):
+            fn = Experts(n, d, h, impl=impl)
+        with torch.no_grad():
+            for p, value in zip(fn.parameters(), params, strict=True):
+                p.copy_(value)
+        xi = x.clone().requires_grad_(True)
+        guard = no_sync() if impl == "auto" else torch.enable_grad()
+        with guard, torch.autocast("cuda", dtype=torch.bfloat16):
+            out = LocalDispatcher()(xi, experts, weights, fn)
+            out.float().square().sum().backward()
+        results[impl] = (out.float(), xi.grad, [p.grad for p in fn.parameters()])
+    (out, x_grad, grads), (ref, ref_x_grad, ref_grads) = results["auto"], results["loop"]
+    torch.testing.assert_close(out, ref, rtol=0.02, atol=0.02)
+    torch.testing.assert_close(x_grad, ref_x_grad, rtol=0.05, atol=0.05)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
