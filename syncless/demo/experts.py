@@ -13,7 +13,8 @@ expert ``e``, counts on the device) and returns one output row per input row:
   layer): the standard code of most MoE trainers, kept to measure against.
 
 ``auto`` picks ``grouped`` where ``torch._grouped_mm`` runs without a host sync (CPU;
-CUDA sm90/sm100 in bf16) and ``padded`` elsewhere (docs/demo.md).
+CUDA sm90/sm100 in bf16) and ``padded`` elsewhere, and in an fp32 graph torch.compile
+traces (docs/demo.md).
 """
 
 from __future__ import annotations
@@ -166,6 +167,10 @@ class Experts(nn.Module):
 
     def resolved(self, device: torch.device, dtype: torch.dtype) -> str:
         """The impl that runs for inputs on ``device`` computed in ``dtype``."""
+        if self.impl == "auto" and dtype != torch.bfloat16 and torch.compiler.is_compiling():
+            # torch._grouped_mm's fake kernel, which tracing runs, takes bf16 only (the
+            # CPU's eager kernel takes fp32 too): a compiled fp32 graph runs padded.
+            return "padded"
         key = (device, dtype)
         impl = self._resolved.get(key)
         if impl is None:
