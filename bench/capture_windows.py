@@ -180,7 +180,9 @@ def worker(args: argparse.Namespace) -> None:
     series: dict[str, dict[str, list[float]]] = {m: {k: [] for k, _ in SERIES} for m in modes}
     for round_ in range(args.rounds):
         for mode in modes:
-            cfg = preset(args.preset, steps=args.steps, expert_parallel=True, log_every=1)
+            # drain: the dispatch docs/capture.md's measurements ran (the default before #38)
+            cfg = preset(args.preset, steps=args.steps, expert_parallel=True, log_every=1,
+                         ep_splits="drain")  # fmt: skip
             layers = parse_layers(args.layers, cfg.n_layers)
             first = round_ == 0 and mode != "boundaries"
             reference = (

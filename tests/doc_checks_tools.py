@@ -186,6 +186,15 @@ def _pacing_bench(ctx: Ctx) -> None:  # gloo on CPU at tiny size; --no-record ke
     assert (dc.ROOT / "bench" / "RESULTS.md").read_bytes() == results
 
 
+@runs("python bench/demo_mfu.py --sweep")
+def _demo_mfu_sweep(ctx: Ctx) -> None:  # every shape shrunk to seconds on a CPU (--smoke)
+    results = (dc.ROOT / "bench" / "RESULTS.md").read_bytes()
+    out = ctx.run([*ctx.argv(), "--smoke", "--no-record"]).stdout
+    (line,) = [x for x in out.splitlines() if x.startswith("--sweep around demo")]
+    assert line.count("tokens/s") == 7, line  # every shape of bench/demo_mfu.py's SHAPES ran
+    assert (dc.ROOT / "bench" / "RESULTS.md").read_bytes() == results
+
+
 # ---- syncless report (docs/report.md) -----------------------------------------------
 
 

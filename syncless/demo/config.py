@@ -10,8 +10,16 @@ from typing import Any
 
 from syncless.errors import UsageError
 
-# Where the expert-parallel dispatch takes its split lists from (docs/pacing.md).
-EP_SPLITS = ("drain", "static", "static-paced", "lookahead")
+# Where the expert-parallel dispatch takes its split lists from (docs/pacing.md). The
+# default, auto, is the fastest mode bench/pacing_ep.py measured that is safe for the
+# router: static-paced for the fixed router (-13.3% step time against the drain on two
+# H200s), lookahead for a learned one, whose counts change with every batch (a static
+# plan would send tokens to the wrong experts; lookahead matched the drain, -0.4% and
+# +0.3%, without its full stop of the host). docs/pacing.md, "The default".
+EP_SPLITS = ("auto", "drain", "static", "static-paced", "lookahead")
+# How the routed experts run (syncless.demo.experts): auto is grouped GEMMs where
+# torch._grouped_mm needs no host sync (sm90/sm100 in bf16, CPU), else padded.
+EXPERT_IMPLS = ("auto", "grouped", "padded", "loop")
 # Pacing points (MoE layers) the host may run ahead under static-paced. Provisional:
 # bench/pacing_ep.py sweeps it on GPUs and has not been run yet.
 DEFAULT_RUN_AHEAD = 2
@@ -28,6 +36,8 @@ class DemoConfig:
     expert_hidden: int = 128
     shared_expert: bool = True
     aux_loss_coef: float = 0.01
+    expert_impl: str = "auto"  # auto | grouped | padded | loop (syncless.demo.experts)
+    capacity_factor: float = 0.0  # padded: rows per expert over the mean; 0 = exact, no drops
     # data and optimisation
     seq_len: int = 64
     batch_size: int = 8  # sequences per rank per step; the global batch is batch_size * world
@@ -40,7 +50,7 @@ class DemoConfig:
     corpus_mb: float = 4.0
     # parallelism and execution
     expert_parallel: bool = False
-    ep_splits: str = "drain"  # drain | static | static-paced | lookahead (docs/pacing.md)
+    ep_splits: str = "auto"  # auto | drain | static | static-paced | lookahead (docs/pacing.md)
     run_ahead: int = DEFAULT_RUN_AHEAD  # static-paced: MoE layers the host may lead by
     fix_router: bool = False  # token t -> experts (t*k + j) mod E, equal weights (benchmarks)
     device: str = "auto"  # auto | cpu | cuda
@@ -78,6 +88,19 @@ class DemoConfig:
             f"--dtype must be auto, fp32 or bf16, got {self.dtype!r}",
         )
         need(self.corpus_mb > 0, f"--corpus-mb must be > 0, got {self.corpus_mb}")
+        need(
+            self.expert_impl in EXPERT_IMPLS,
+            f"--expert-impl must be one of {', '.join(EXPERT_IMPLS)}, got {self.expert_impl!r}",
+        )
+        need(
+            self.capacity_factor >= 0,
+            f"--capacity-factor must be >= 0, got {self.capacity_factor}",
+        )
+        need(
+            self.capacity_factor == 0 or self.expert_impl == "padded",
+            "--capacity-factor applies to --expert-impl padded only (grouped and loop never "
+            "drop rows)",
+        )
         self._validate_ep_splits(need)
         if self.expert_parallel:
             need(
@@ -87,18 +110,28 @@ class DemoConfig:
                 f"as a multiple of the number of ranks (e.g. {world_size * max(1, self.n_experts // world_size)})",
             )
 
+    def ep_mode(self) -> str:
+        """``ep_splits`` with ``auto`` resolved: static-paced for the fixed router,
+        lookahead for a learned one (see EP_SPLITS)."""
+        if self.ep_splits != "auto":
+            return self.ep_splits
+        return "static-paced" if self.fix_router else "lookahead"
+
     def _validate_ep_splits(self, need: Callable[[bool, str], None]) -> None:
         need(
             self.ep_splits in EP_SPLITS,
             f"--ep-splits must be one of {', '.join(EP_SPLITS)}, got {self.ep_splits!r}",
         )
         need(self.run_ahead >= 0, f"--run-ahead must be >= 0, got {self.run_ahead}")
+        mode = self.ep_mode()
         need(
-            self.run_ahead == DEFAULT_RUN_AHEAD or self.ep_splits == "static-paced",
-            f"--run-ahead applies to --ep-splits static-paced only (got --ep-splits "
-            f"{self.ep_splits})",
+            self.run_ahead == DEFAULT_RUN_AHEAD
+            or (mode == "static-paced" and self.expert_parallel),
+            f"--run-ahead applies to --ep-splits static-paced only (got --ep-splits {mode}"
+            + ("" if self.expert_parallel else " without --expert-parallel")
+            + ")",
         )
-        if self.ep_splits == "drain":
+        if self.ep_splits == "auto":
             return
         need(
             self.expert_parallel,
@@ -106,7 +139,7 @@ class DemoConfig:
             "--expert-parallel (and run several ranks, e.g. --nproc 2)",
         )
         need(
-            self.fix_router or self.ep_splits == "lookahead",
+            self.fix_router or self.ep_splits in ("drain", "lookahead"),
             f"--ep-splits {self.ep_splits} reuses one dispatch plan, which is only correct "
             "for a static router: add --fix-router (a learned router's counts change with "
             "every batch; use --ep-splits lookahead for it)",
@@ -136,21 +169,32 @@ PRESETS: dict[str, dict[str, Any]] = {
         warmup_steps=30,
         corpus_mb=8.0,
     ),
-    # the GPU benchmark workload of later issues
+    # One GPU, GPU-bound, in bf16 autocast (docs/demo.md, "Presets"). Wide layers with
+    # large GEMMs: the time a step spends outside matmuls (norms, rotary, residual
+    # adds, the dispatch's gathers; AdamW, clipping and weight casts over every
+    # parameter) shrinks against the matmuls as d_model and tokens per step grow. 8
+    # experts top-2 plus a shared one keep the active share of the parameters (0.44)
+    # high enough that the per-parameter work stays small; 24,576 tokens a step.
+    # Memory on the GPU, estimated: 1.342 B parameters x 16 bytes (fp32 weights,
+    # gradients, AdamW's two moments) = 21.5 GB; their bf16 copies saved for the
+    # backward 2.7 GB; activations ~126 KB per token per layer (fp32 residual at both
+    # norms, bf16 q/k/v/attention output, the grouped buffer and 4 hidden tensors of the
+    # 2 chosen experts and the shared one) x 24,576 tokens x 8 layers = 24.8 GB; about
+    # 50 GB at the peak, which leaves an 80 GB H100 room for --capture all's 8 GB ring.
     "large": dict(
-        n_layers=24,
-        d_model=1024,
-        n_heads=16,
+        n_layers=8,
+        d_model=2560,
+        n_heads=20,
         n_experts=8,
         top_k=2,
         expert_hidden=2048,
-        seq_len=1024,
-        batch_size=8,
-        steps=100,
+        seq_len=2048,
+        batch_size=12,
+        steps=120,
         lr=3e-4,
         warmup_steps=20,
         corpus_mb=32.0,
-        log_every=10,
+        log_every=1,
     ),
 }
 

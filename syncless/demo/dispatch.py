@@ -1,28 +1,29 @@
 """Token dispatch to experts: all local, or expert parallel with all_to_all_single.
 
-Both dispatchers default to the *standard* code most MoE trainers run: token counts
-per expert are read back to the host once per layer (``.tolist()``) because
-``Tensor.split`` and ``all_to_all_single`` take Python split lists. That drain blocks
-the host until everything enqueued before it has finished. It stays the default on
-purpose: it is the baseline. Each drain sits in ``allow_sync``: it is intended, so
-tests can run the model under ``no_sync()`` to prove the monitors' hooks sync-free,
-while ``census()`` still counts it.
+The local dispatcher groups the rows by expert on the device and hands the experts
+their counts as a device tensor: nothing is read back to the host (the experts' impl
+decides how they run, syncless.demo.experts).
 
-The expert-parallel dispatcher can also take its split lists elsewhere
-(``--ep-splits``, syncless.pacing, docs/pacing.md): from a static plan cache, with or
-without a run-ahead limit, or read late from pinned host memory (lookahead).
+The expert-parallel dispatcher needs Python split lists for ``all_to_all_single``:
+token counts per expert must reach the host once per layer. Where it takes them from
+is ``--ep-splits`` (syncless.pacing, docs/pacing.md): a drain (``.tolist()``, the
+standard code most MoE trainers run, kept as the baseline), a late read from pinned
+host memory (lookahead), or a static plan cache, with or without a run-ahead limit.
+Each drain sits in ``allow_sync``: it is intended, so tests can run the model under
+``no_sync()`` to prove the monitors' hooks sync-free, while ``census()`` still counts it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from syncless.demo.config import DEFAULT_RUN_AHEAD, EP_SPLITS
+from syncless.demo.experts import Experts
 from syncless.guard import allow_sync
 from syncless.pacing import (
     DispatchPlan,
@@ -32,9 +33,6 @@ from syncless.pacing import (
     StaticPlanCache,
     StaticPlanError,
 )
-
-if TYPE_CHECKING:
-    from syncless.demo.model import Experts
 
 
 class Dispatcher(Protocol):
@@ -80,7 +78,7 @@ def _combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor)
 
 
 class LocalDispatcher:
-    """Every expert lives on this rank."""
+    """Every expert lives on this rank; rows are grouped by expert on the device."""
 
     def local_experts(self, n_experts: int) -> int:
         return n_experts
@@ -91,11 +89,13 @@ class LocalDispatcher:
     def __call__(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fn: Experts
     ) -> torch.Tensor:
-        rows, order, flat = _sort_by_expert(x, experts)
-        n_experts = fn.w_gate.shape[0]
-        with allow_sync("demo baseline: per-layer count drain for split()"):
-            counts = _count_per_expert(flat, n_experts).tolist()
-        return _combine(fn(rows, counts), order, weights)
+        tokens, top_k = experts.shape
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = _count_per_expert(flat, fn.n_local)
+        # A token's k choices are distinct experts: no expert gets more than `tokens` rows.
+        y = fn(x, counts, index=order // top_k, max_rows=tokens)
+        return _combine(y, order, weights)
 
     def end_step(self) -> None:
         pass
@@ -209,7 +209,7 @@ class AllToAllDispatcher:
     def __call__(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fn: Experts
     ) -> torch.Tensor:
-        n_experts = fn.w_gate.shape[0] * self.world
+        n_experts = fn.n_local * self.world
         if self.landing is not None:
             plan, rows, order = self._lookahead(x, experts, n_experts)
         else:
@@ -222,7 +222,12 @@ class AllToAllDispatcher:
             rows, from_ranks, to_ranks, group, comm, f"moe_dispatch{self.label}"
         )
         # Received rows are grouped by source rank, then by local expert; regroup by expert.
-        y_local = fn(received[plan.regroup], plan.local_counts)
+        y_local = fn(
+            received,
+            plan.local_counts_device,
+            index=plan.regroup,
+            host_counts=plan.local_counts,
+        )
         y_received = y_local.new_empty(y_local.shape).index_copy(0, plan.regroup, y_local)
         y_rows = _AllToAll.apply(
             y_received, to_ranks, from_ranks, group, comm, f"moe_combine{self.label}"

@@ -3,7 +3,11 @@
 Byte-level tokens -> embedding -> N x [RMSNorm -> causal attention -> RMSNorm -> MoE]
 -> RMSNorm -> tied LM head. The MoE layer routes each token to its top-k experts
 (SwiGLU MLPs) plus an optional shared expert. Experts are dispatched by a
-``Dispatcher`` (see dispatch.py): all experts local, or sharded over ranks.
+``Dispatcher`` (see dispatch.py): all experts local, or sharded over ranks; how they
+run (grouped GEMMs, a padded batched matmul, a loop) is experts.py's.
+
+Under autocast the residual stream stays fp32 and each norm's output is cast to the
+compute dtype once, so the projections that read it share one cast.
 
 Initialisation draws every parameter (and every expert slice) from its own generator
 seeded by (seed, parameter name, expert index), so a model sharded across ranks
@@ -22,23 +26,31 @@ from torch import nn
 from syncless.demo.config import DemoConfig
 from syncless.demo.data import VOCAB_SIZE
 from syncless.demo.dispatch import Dispatcher, LocalDispatcher
+from syncless.demo.experts import Experts, compute_dtype
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding for queries and keys of shape [B, H, L, Dh]."""
+    """Rotary position embedding for queries and keys of shape [B, H, L, Dh].
+
+    Channels (2i, 2i+1) are a pair rotated by angle_i: (x1 cos - x2 sin, x2 cos + x1 sin).
+    Written as ``x * cos + swap(x) * sin`` with the sign folded into the table: a flip,
+    a multiply and an addcmul, three passes over x instead of seven.
+    """
 
     def __init__(self, head_dim: int, max_len: int, base: float = 10_000.0) -> None:
         super().__init__()
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+        sin[:, 0::2] *= -1  # the first of each pair takes -x2 sin
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq = x.shape[-2]
         cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x2, x1) per pair
+        return torch.addcmul(x * cos, swapped, sin)
 
 
 class Attention(nn.Module):
@@ -100,32 +112,6 @@ def fixed_routing(tokens: int, top_k: int, n_experts: int, device: torch.device)
     return (t * top_k + torch.arange(top_k, device=device)) % n_experts
 
 
-class Experts(nn.Module):
-    """The SwiGLU MLPs of the experts this rank owns, stacked along dim 0.
-
-    ``first_expert`` is the global index of local expert 0 (non-zero under expert
-    parallelism), used only to seed each expert's initialisation.
-    """
-
-    def __init__(self, n_local: int, d_model: int, hidden: int, first_expert: int = 0) -> None:
-        super().__init__()
-        self.first_expert = first_expert
-        self.w_gate = nn.Parameter(torch.empty(n_local, d_model, hidden))
-        self.w_up = nn.Parameter(torch.empty(n_local, d_model, hidden))
-        self.w_down = nn.Parameter(torch.empty(n_local, hidden, d_model))
-
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [N, d] grouped by local expert, ``counts[e]`` rows each -> [N, d]."""
-        # unbind, not w[e]: the backward of unbind is one stack of the expert gradients,
-        # while each w[e] would materialise a zero-filled gradient of the whole [E, d, h]
-        # parameter and add it up (3 x E full-size fills and adds per layer).
-        gates, ups, downs = self.w_gate.unbind(0), self.w_up.unbind(0), self.w_down.unbind(0)
-        outs = []
-        for xe, w_gate, w_up, w_down in zip(x.split(counts), gates, ups, downs, strict=True):
-            outs.append((F.silu(xe @ w_gate) * (xe @ w_up)) @ w_down)
-        return torch.cat(outs)
-
-
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, hidden: int) -> None:
         super().__init__()
@@ -157,6 +143,8 @@ class MoE(nn.Module):
             cfg.d_model,
             cfg.expert_hidden,
             first_expert=dispatcher.first_local_expert(cfg.n_experts),
+            impl=cfg.expert_impl,
+            capacity_factor=cfg.capacity_factor,
         )
         self.shared_expert = SwiGLU(cfg.d_model, cfg.expert_hidden) if cfg.shared_expert else None
 
@@ -190,9 +178,15 @@ class Block(nn.Module):
         self.moe = MoE(cfg, dispatcher)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + self.attn(self.attn_norm(x))
-        y, balance = self.moe(self.moe_norm(x))
+        x = x + self.attn(_cast(self.attn_norm(x)))
+        y, balance = self.moe(_cast(self.moe_norm(x)))
         return x + y, balance
+
+
+def _cast(x: torch.Tensor) -> torch.Tensor:
+    """A norm's output in the compute dtype, once for every matmul that reads it
+    (autocast would cast it again for each)."""
+    return x.to(compute_dtype(x))
 
 
 class MoETransformer(nn.Module):

@@ -19,6 +19,7 @@ from syncless.run import StepRecord
 COLUMNS = {
     "demo/step/loss": ("loss", "{:.4f}"),
     "demo/step/tokens_per_s": ("tokens/s", "{:,.0f}"),
+    "demo/step/mfu_frac": ("MFU", "{:.1%}"),  # on a GPU of known peak (the title names it)
     "demo/step/step_ms": ("step ms", "{:.1f}"),
 }
 
@@ -97,6 +98,10 @@ class ProgressLines:
     Example line::
 
         syncless demo (cpu, 1 rank(s)): step 120 (121/200)  loss 2.4512  tokens/s 61,204  step ms 8.4  (5.0 s)
+
+    and on a GPU whose peak is known (the title names it)::
+
+        syncless demo (cuda, 1 rank(s), peak 989 TFLOP/s bf16): step 60 (61/120)  loss 1.8710  tokens/s 97,312  MFU 39.7%  step ms 252.5  (21.3 s)
     """
 
     def __init__(

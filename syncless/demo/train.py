@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import signal
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +19,13 @@ from rich.console import Console
 from syncless.demo.config import DemoConfig
 from syncless.demo.data import BatchSampler, stdlib_corpus
 from syncless.demo.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
+from syncless.demo.experts import Experts, resolve_impl
+from syncless.demo.flops import Peak, flops_per_token, peak_for
 from syncless.demo.model import MoETransformer, init_weights
 from syncless.demo.parallel import clip_grad_norm, init_distributed, sync_gradients
 from syncless.demo.progress import progress_view
 from syncless.demo.signals import Stopped, pending_stop
+from syncless.demo.steplog import StepLog, Throughput
 from syncless.demo.tools import DemoContext, DemoTool
 from syncless.profile import OFF
 from syncless.run import RankInfo, Run, Sink
@@ -46,11 +49,36 @@ def pick_device(cfg: DemoConfig, ranks: RankInfo) -> torch.device:
     return torch.device("cpu")
 
 
+def _bf16(cfg: DemoConfig, device: torch.device) -> bool:
+    return cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+
+
 def _autocast(cfg: DemoConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
-    if bf16:
+    if _bf16(cfg, device):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def peak_of(cfg: DemoConfig, device: torch.device) -> Peak:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return peak_for(device.type, name, _bf16(cfg, device))
+
+
+def run_facts(cfg: DemoConfig, device: torch.device, world: int) -> dict:
+    """What run.json records beside the config: what ran, and what MFU is taken against."""
+    peak = peak_of(cfg, device)
+    dtype = torch.bfloat16 if _bf16(cfg, device) else torch.float32
+    return {
+        "world_size": world,
+        "device": str(device),
+        "expert_impl_used": resolve_impl(
+            cfg.expert_impl, device, dtype, (cfg.d_model, cfg.expert_hidden)
+        ),
+        "ep_mode": cfg.ep_mode() if cfg.expert_parallel and world > 1 else None,
+        "flops_per_token": flops_per_token(cfg),
+        "peak_flops": peak.flops,
+        "peak_flops_about": peak.about,
+    }
 
 
 def _lr_lambda(cfg: DemoConfig):
@@ -133,7 +161,7 @@ def _train(
     device = pick_device(cfg, ranks)
     world = ranks.world_size
     # The run first: a directory that is not free stops the demo before it builds anything.
-    config = {**dataclasses.asdict(cfg), "world_size": world, "device": str(device)}
+    config = {**dataclasses.asdict(cfg), **run_facts(cfg, device, world)}
     run = Run(
         name=name,
         config=config,
@@ -167,11 +195,12 @@ def _train_in(
     world = ranks.world_size
     expert_parallel = cfg.expert_parallel and world > 1
     dispatcher: Dispatcher = (
-        AllToAllDispatcher.for_mode(cfg.ep_splits, run_ahead=cfg.run_ahead, device=device)
+        AllToAllDispatcher.for_mode(cfg.ep_mode(), run_ahead=cfg.run_ahead, device=device)
         if expert_parallel
         else LocalDispatcher()
     )
-    model = MoETransformer(cfg, dispatcher).to(device)
+    with torch.device(device):  # built in place: no CPU init and copy of every weight
+        model = MoETransformer(cfg, dispatcher)
     init_weights(model, cfg.seed)
     optimizer = _optimizer(model, cfg, device)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
@@ -180,8 +209,11 @@ def _train_in(
 
     console = console or Console(stderr=True, quiet=quiet or not ranks.is_main)
     first = run.next_step  # 0, or on from a resumed run's last stored step
+    peak = peak_of(cfg, device)
     if ranks.is_main and not quiet:
-        title = f"syncless demo ({device.type}, {world} rank(s))"
+        # MFU is shown against this peak, per GPU
+        per_gpu = f", peak {peak.flops / 1e12:,.0f} TFLOP/s bf16" if peak.flops else ""
+        title = f"syncless demo ({device.type}, {world} rank(s){per_gpu})"
         run.sinks.append(progress_view(cfg.steps, title, console, first_step=first))
     demo_ctx = DemoContext(
         cfg, model, optimizer, run, console, expert_parallel, OFF, sampler.batch_at
@@ -190,69 +222,81 @@ def _train_in(
         tool.attach(demo_ctx)
 
     result = DemoResult(run.dir, first_step=first)
-    tokens_per_step = cfg.batch_size * cfg.seq_len * world
-    last_time, last_step = time.perf_counter(), first - 1
+    throughput = Throughput(cfg.batch_size * cfg.seq_len * world, flops_per_token(cfg), peak, world)
+    dtype = torch.bfloat16 if _bf16(cfg, device) else torch.float32
+    dropping = [
+        m for m in model.modules()
+        if isinstance(m, Experts) and m.capacity_factor > 0 and m.resolved(device, dtype) == "padded"
+    ]  # fmt: skip
+    rows_per_step = cfg.batch_size * cfg.seq_len * cfg.top_k * cfg.n_layers
+    log = StepLog(run, throughput, device, first, dropping, rows_per_step)
+    pin = device.type == "cuda"
     final = first + cfg.steps - 1
-    for step in range(first, final + 1):
-        for tool in tools:
-            tool.step_begin(step)
-        prof = demo_ctx.profiler  # per step: a benchmark may switch profilers between steps
-        with prof.section("data"):
-            batch = demo_ctx.batches(step)
-            inputs, targets = (t.to(device, non_blocking=True) for t in batch)
-        with prof.section("forward"), _autocast(cfg, device):
-            logits, balance = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        with prof.section("backward"):
-            (loss + cfg.aux_loss_coef * balance).backward()
-        with prof.section("grad_sync", category="collective"):
-            sync_gradients(model, expert_parallel)
-            grad_norm = clip_grad_norm(model, cfg.grad_clip, expert_parallel)
-        with prof.section("optimizer"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        lr = schedule.get_last_lr()[0]
-        schedule.step()
-        demo_ctx.checked = {"loss": loss.detach(), "grad_norm": grad_norm}
-        for tool in tools:
-            enqueued = getattr(tool, "step_enqueued", None)  # optional (tools.py)
-            if enqueued is not None:
-                enqueued(step)
+    # Built, attached: what lives now lives for the run. Frozen, the collector's full
+    # passes skip it (a gen-2 collection over a built model is ~130 ms on 2 cores,
+    # bench/gc_pause.py): no step pays for one.
+    gc.collect()
+    gc.freeze()
+    try:
+        for step in range(first, final + 1):
+            for tool in tools:
+                tool.step_begin(step)
+            prof = demo_ctx.profiler  # per step: a benchmark may switch profilers between steps
+            with prof.section("data"):
+                batch = demo_ctx.batches(step)
+                # Pinned, the copy is queued behind the device's work instead of waiting.
+                inputs, targets = (
+                    (t.pin_memory() if pin else t).to(device, non_blocking=True) for t in batch
+                )
+            with prof.section("forward"), _autocast(cfg, device):
+                logits, balance = model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            with prof.section("backward"):
+                (loss + cfg.aux_loss_coef * balance).backward()
+            with prof.section("grad_sync", category="collective"):
+                sync_gradients(model, expert_parallel)
+                grad_norm = clip_grad_norm(model, cfg.grad_clip, expert_parallel)
+            with prof.section("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            lr = schedule.get_last_lr()[0]
+            schedule.step()
+            demo_ctx.checked = {"loss": loss.detach(), "grad_norm": grad_norm}
+            for tool in tools:
+                enqueued = getattr(tool, "step_enqueued", None)  # optional (tools.py)
+                if enqueued is not None:
+                    enqueued(step)
 
-        if step % cfg.log_every == 0 or step == final:
-            prof.begin_section("log", category="sync")
-            # grad_norm is already global (equal on every rank), so the mean keeps it.
-            # The last element: a stop signal deferred on this rank (signals.stop_on);
-            # above 0 after the all_reduce, every rank stops after this step.
-            stop = torch.full_like(grad_norm, pending_stop())
-            stats = torch.stack([loss.detach().float(), balance.detach().float(), grad_norm, stop])
-            if world > 1:
-                dist.all_reduce(stats)
-                stats /= world
-            # The demo's one read-back per logged step.
-            loss_v, balance_v, grad_norm_v, stop_v = stats.tolist()
-            now = time.perf_counter()
-            # Mean over the steps since the last log: a host timer per step would
-            # measure enqueue time, not device time, wherever the host runs ahead.
-            per_step_s = (now - last_time) / (step - last_step)
-            last_time, last_step = now, step
-            result.losses.append((step, loss_v))
-            run.log(
-                step,
-                {
-                    "demo/step/loss": loss_v,
-                    "demo/step/balance_loss": balance_v,
-                    "demo/step/grad_norm": grad_norm_v,
-                    "demo/step/lr": lr,
-                    "demo/step/step_ms": per_step_s * 1e3,
-                    "demo/step/tokens_per_s": tokens_per_step / per_step_s,
-                    **dispatcher.report(),  # pacing/* under --expert-parallel
-                },
-            )
-            prof.end_section("log")
-            if stop_v > 0:  # the same step on every rank: their closes match up
+            logged = step % cfg.log_every == 0 or step == final
+            stop = False
+            if logged or log.pending is not None:
+                prof.begin_section("log", category="sync")
+                # The previous logged step's statistics, read now that this step is queued
+                # behind it (syncless.demo.steplog). A stop signal deferred on any rank
+                # (signals.stop_on) rides in them: every rank stops after the same step.
+                stop = _read(log, result)
+                if logged and not stop:
+                    # pacing/* under --expert-parallel
+                    host = {"demo/step/lr": lr, **dispatcher.report()}
+                    log.issue(step, loss, balance, grad_norm, pending_stop(), host)
+                prof.end_section("log")
+            if stop:  # the same step on every rank: their closes match up
                 raise Stopped(pending_stop() or signal.SIGTERM)
-        dispatcher.end_step()
-        for tool in tools:
-            tool.step_end(step)
+            dispatcher.end_step()
+            for tool in tools:
+                tool.step_end(step)
+        if _read(log, result):  # the last step's, at the end
+            raise Stopped(pending_stop() or signal.SIGTERM)
+    finally:
+        gc.unfreeze()
     return result
+
+
+def _read(log: StepLog, result: DemoResult) -> bool:
+    """Log the pending step, if any; whether a stop was asked."""
+    done = log.finish()
+    if done is None:
+        return False
+    step, loss, stop = done
+    result.losses.append((step, loss))
+    return stop

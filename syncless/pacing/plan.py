@@ -57,6 +57,8 @@ class DispatchPlan:
     ``regroup``: the permutation that sorts the received rows by local expert.
     ``send_counts_device``: ``send_counts`` on the device, the reference a validation
     compares fresh counts against without reading them back.
+    ``local_counts_device``: ``local_counts`` on the device, for expert kernels that
+    take their group sizes there.
     """
 
     send_counts: list[int]
@@ -66,6 +68,7 @@ class DispatchPlan:
     local_counts: list[int]  # received rows per local expert
     send_counts_device: torch.Tensor
     regroup: torch.Tensor
+    local_counts_device: torch.Tensor
 
     @classmethod
     def build(
@@ -88,9 +91,10 @@ class DispatchPlan:
         local_ids = torch.arange(n_local, device=device).repeat(world_size)
         local_ids = local_ids.repeat_interleave(recv_counts_device, output_size=sum(out_splits))
         regroup = local_ids.argsort(stable=True)
+        local_counts_device = recv_counts_device.view(world_size, n_local).sum(0)
         return cls(
             send_counts, recv_counts, in_splits, out_splits, local_counts,
-            send_counts_device, regroup,
+            send_counts_device, regroup, local_counts_device,
         )  # fmt: skip
 
     def describe(self) -> str:

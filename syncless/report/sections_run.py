@@ -10,6 +10,7 @@ import numpy as np
 
 from syncless.report.data import RunData
 from syncless.report.page_parts import Section, figure, table
+from syncless.report.summary import mfu_text
 
 __all__ = ["SYNCLESS_AREAS", "sections", "step_time"]
 
@@ -77,6 +78,9 @@ def _overview(data: RunData) -> Section:
     if tokens:
         rate = float(np.nanmean(data.series[tokens[0]].mean))
         rows.append(("tokens per second", f"{rate:,.0f} (mean per rank, {tokens[0]})"))
+    mfu = _mfu(data)
+    if mfu:
+        rows.append(("MFU", mfu))
     measured = step_time(data)
     if measured:
         rows.append(("step time", f"{measured[1]:.4g} ms (mean, {measured[0]})"))
@@ -99,6 +103,12 @@ def _overview(data: RunData) -> Section:
             f"<details><summary>config ({len(config)} keys)</summary><pre>{text}</pre></details>"
         )
     return Section("run", "Run", body)
+
+
+def _mfu(data: RunData) -> str | None:
+    names = [n for n in user_curves(data) if n.endswith("/mfu_frac")]
+    mean = float(np.nanmean(data.series[names[0]].mean)) if names else None
+    return mfu_text(mean, data.info.get("config") or {}, names[0] if names else "")
 
 
 def _curves(data: RunData) -> Section | None:

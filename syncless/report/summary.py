@@ -24,7 +24,7 @@ from syncless.report.nonfinite import FirstNonfinite, first_nonfinite
 from syncless.run.query_cli import to_stdout, warnings_on_stderr
 from syncless.run.store import RunStore
 
-__all__ = ["RunTotals", "Stat", "print_summary", "read", "run"]
+__all__ = ["RunTotals", "Stat", "mfu_text", "print_summary", "read", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,10 @@ def _run_table(t: RunTotals) -> Table:
     tokens = t.find("step/tokens_per_s")
     if tokens:
         table.add_row("throughput", f"{tokens[1].mean:,.0f} tokens/s (mean)")
+    mfu = t.find("step/mfu_frac")
+    utilisation = mfu_text(mfu[1].mean if mfu else None, config)
+    if utilisation:
+        table.add_row("MFU", utilisation)
     keys = [k for k in _CONFIG_KEYS if k in config] or list(config)[:8]
     if keys:
         table.add_row("config", ", ".join(f"{k}={config[k]}" for k in keys))
@@ -181,6 +185,27 @@ def _run_table(t: RunTotals) -> Table:
     if versions:
         table.add_row("versions", ", ".join(versions))
     return table
+
+
+def mfu_text(mean: float | None, config: dict[str, Any], source: str = "") -> str | None:
+    """A run's mean MFU and the peak it is taken against, or why it has none.
+
+    ``config``: the run's ``flops_per_token``, ``peak_flops`` and ``peak_flops_about``,
+    as the demo records them; ``source``: the metric the mean is of. None for a run
+    that records none of them.
+    """
+    per_token = config.get("flops_per_token")
+    work = ""
+    if per_token:
+        big = per_token >= 1e9
+        work = f"; {per_token / (1e9 if big else 1e6):.4g} {'G' if big else 'M'}FLOP per token"
+    peak, about = config.get("peak_flops"), config.get("peak_flops_about")
+    if mean is not None and peak:
+        what = f"mean, {source}" if source else "mean"
+        return f"{mean:.1%} ({what}) of {peak / 1e12:,.0f} TFLOP/s per device ({about}){work}"
+    if about and per_token:
+        return f"not measured: {about}{work}"
+    return None
 
 
 def _training_table(t: RunTotals) -> Table | None:

@@ -3,14 +3,14 @@ from syncless.run import open as open_run
 
 
 def test_all_monitors_on_the_demo_add_no_sync_and_land_in_the_store(tmp_path, capsys):
-    """With every monitor on, the census still sees exactly the demo's own syncs: one
-    count drain per MoE layer and one loss read-back per step (ground truth from the
-    demo's code). A monitor hook that synced would add to that count."""
+    """With every monitor on, the census still sees exactly the demo's own syncs: none
+    (ground truth from the demo's code: counts stay on the device, the loss is read a
+    step late from pinned memory). A monitor hook that synced would add to that count."""
     run_dir = tmp_path / "run"
     argv = ["demo", "--steps", "6", "--n-layers", "3", "--monitors", "all", "--sync-census",
             "4", "--monitor-budget", "0", "--run-dir", str(run_dir)]  # fmt: skip
     assert main(argv) == 0
-    assert "sync census: 16 syncs in 4 step(s)" in capsys.readouterr().err
+    assert "sync census: 0 syncs in 4 step(s)" in capsys.readouterr().err
 
     with open_run(run_dir) as store:
         _, rows = store.query(

@@ -1,4 +1,5 @@
-"""--ep-splits, --run-ahead and --fix-router: clear errors, and what the fixed router routes."""
+"""--ep-splits, --run-ahead, --fix-router and --expert-impl: clear errors, the default
+modes, and what the fixed router routes."""
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from syncless.guard import no_sync
     [
         (
             ["--ep-splits", "eager"],
-            "--ep-splits must be one of drain, static, static-paced, lookahead",
+            "--ep-splits must be one of auto, drain, static, static-paced, lookahead",
         ),
+        (["--ep-splits", "drain"], "add --expert-parallel"),
         (["--ep-splits", "static", "--fix-router"], "add --expert-parallel"),
         (["--ep-splits", "static-paced", "--expert-parallel"], "add --fix-router"),
         (["--run-ahead", "-1"], "--run-ahead must be >= 0"),
@@ -24,6 +26,10 @@ from syncless.guard import no_sync
             ["--ep-splits", "static", "--expert-parallel", "--fix-router", "--run-ahead", "4"],
             "--run-ahead applies to --ep-splits static-paced only",
         ),
+        (["--run-ahead", "4"], "--run-ahead applies to --ep-splits static-paced only"),
+        (["--expert-impl", "sparse"], "--expert-impl must be one of auto, grouped, padded, loop"),
+        (["--capacity-factor", "-1"], "--capacity-factor must be >= 0"),
+        (["--capacity-factor", "1.25"], "applies to --expert-impl padded only"),
     ],
 )
 def test_bad_pacing_flags(capsys, flags, fragment):
@@ -42,6 +48,16 @@ def test_lookahead_needs_no_fixed_router():
     preset("tiny", expert_parallel=True, ep_splits="lookahead").validate(world_size=2)
     preset("tiny", expert_parallel=True, fix_router=True, ep_splits="static-paced",
            run_ahead=4).validate(world_size=2)  # fmt: skip
+
+
+def test_the_default_split_mode_is_the_fastest_safe_one_for_the_router():
+    learned = preset("tiny", expert_parallel=True)
+    fixed = preset("tiny", expert_parallel=True, fix_router=True, run_ahead=4)
+    for cfg in (learned, fixed):
+        cfg.validate(world_size=2)  # no extra flag needed
+    assert (learned.ep_splits, learned.ep_mode()) == ("auto", "lookahead")
+    assert (fixed.ep_splits, fixed.ep_mode()) == ("auto", "static-paced")
+    assert preset("tiny", expert_parallel=True, ep_splits="drain").ep_mode() == "drain"
 
 
 def test_the_fixed_router_is_deterministic_balanced_and_input_independent():

@@ -43,3 +43,16 @@ def test_same_seed_same_loss_curve(tmp_path):
     assert len(a) == 25
     assert a == b  # bit-identical on CPU
     assert a != c
+
+
+def test_logged_steps_are_read_a_step_late_and_all_land(tmp_path):
+    # steps 0..6, every 3rd logged and the last: each read after the next step is queued,
+    # the last one after the loop.
+    result = run_demo(preset("tiny", steps=7, log_every=3), run_dir=tmp_path / "r", quiet=True)
+    assert [step for step, _ in result.losses] == [0, 3, 6]
+    with open_run(tmp_path / "r") as store:
+        _, rows = store.query(
+            "SELECT step, value FROM metrics WHERE name = 'demo/step/step_ms' ORDER BY step"
+        )
+    assert [step for step, _ in rows] == [0, 3, 6]
+    assert all(ms > 0 for _, ms in rows)
