@@ -15,6 +15,7 @@ from syncless.demo.launch import launch, strip_nproc
 from syncless.demo.signals import AGENT_PID_ENV, Stopped, die_with_parent, stop_on
 from syncless.errors import UsageError
 from syncless.run.rundir import DEFAULT_ROOT, check_run_dir, check_writable
+from syncless.run.storage import is_remote, run_path
 
 SINKS = ("tensorboard", "wandb")  # each the name of its extra and of its package
 
@@ -229,6 +230,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     name = args.name or f"demo-{args.preset}"
     if args.resume and args.run_dir is None:
         raise UsageError("--resume needs --run-dir: the directory of the run to resume")
+    if args.run_dir is not None and is_remote(run_path(args.run_dir)):
+        # Its TensorBoard view, routing trace and report are local files.
+        raise UsageError(
+            f"--run-dir {args.run_dir}: the demo writes its run to a local directory; "
+            "a run in an object store is written by your own training through "
+            "Run(run_dir=URL), and read by syncless query/summary/report URL (docs/run.md)"
+        )
     check_sinks(args.sink)
     if args.nproc is not None:
         if args.nproc < 1:

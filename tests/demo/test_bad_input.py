@@ -64,3 +64,12 @@ def test_no_traceback_from_the_real_command():
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "valid presets: tiny, small, large" in proc.stderr
+
+
+def test_an_object_store_run_dir_is_refused_with_where_it_is_taken(capsys):
+    _fails(
+        ["demo", "--run-dir", "s3://bucket/runs/x", "--steps", "1"],
+        capsys,
+        "--run-dir s3://bucket/runs/x: the demo writes its run to a local directory",
+        "Run(run_dir=URL)",
+    )
