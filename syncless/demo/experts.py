@@ -194,7 +194,9 @@ class Experts(nn.Module):
         group_ends = group.cumsum(0)
         size = _round_up(rows + self.n_local * (GROUP_ALIGN - 1), GROUP_ALIGN)
         offsets = group_ends.to(torch.int32)
-        offsets[-1] = size
+        # fill_ takes the scalar as a kernel argument; `offsets[-1] = size` copies it
+        # from host memory, a sync the CUDA sync debug mode caught once per layer.
+        offsets[-1:].fill_(size)
         dest = (group_ends - group)[expert] + rank
         buffer = self._gather(x, index, _sources(dest, size, rows), rows).to(dtype)
         w_gate, w_up, w_down = (w.to(dtype) for w in (self.w_gate, self.w_up, self.w_down))
