@@ -70,6 +70,8 @@ def run_path(path: str | os.PathLike) -> RunPath:
     """
     if is_remote(path):
         return path  # type: ignore[return-value]
+    if not isinstance(path, (str, Path)) and hasattr(path, "protocol"):  # a local UPath
+        return Path(path.path)
     text = os.fspath(path)
     if text.startswith("file://"):
         return Path(text.removeprefix("file://"))
@@ -91,7 +93,9 @@ def run_path(path: str | os.PathLike) -> RunPath:
 
 def is_remote(path: object) -> bool:
     """Whether ``path`` lives in an object store (a ``UPath`` that is not local)."""
-    return not isinstance(path, (str, Path)) and hasattr(path, "fs") and hasattr(path, "protocol")
+    if isinstance(path, (str, Path)) or not hasattr(path, "fs"):
+        return False
+    return getattr(path, "protocol", "") not in ("", "file", "local")
 
 
 def list_files(folder: RunPath, prefix: str = "") -> list[str]:

@@ -215,3 +215,20 @@ def test_a_held_lock_in_s3_skips_the_rank_and_a_stale_one_is_taken_over(s3: S3) 
 def test_an_unknown_protocol_is_one_clear_line() -> None:
     with pytest.raises(UsageError, match="nosuchfs://b/x"):
         Run(run_dir="nosuchfs://b/x")
+
+
+def test_only_an_object_store_url_is_remote(tmp_path) -> None:
+    from pathlib import Path
+
+    from upath import UPath
+
+    from syncless.run.storage import is_remote
+
+    local = [str(tmp_path), f"file://{tmp_path}", UPath(f"file://{tmp_path}"), UPath(tmp_path)]
+    for given in local:
+        path = run_path(given)
+        assert type(path) is type(Path()) and path == tmp_path and not is_remote(path)
+    for url in ("s3://bucket/runs/x", "memory://runs/x"):
+        path = run_path(url)
+        assert is_remote(path) and str(path) == url
+        assert run_path(path) is path  # a UPath keeps its storage options
