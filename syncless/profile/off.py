@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from syncless.hot_path import hot_path
+from syncless.profile import collective_calls
 
 if TYPE_CHECKING:
     from syncless.profile.module_hooks import ModuleHandle
@@ -76,33 +75,10 @@ class NullProfiler:
     ) -> Any:
         return fn(*args, **kw)
 
-    @hot_path
-    def all_reduce(
-        self, tensor: torch.Tensor, *args: Any, name: str = "all_reduce",
-        rendezvous: bool = True, **kw: Any,
-    ) -> Any:  # fmt: skip
-        kw.setdefault("group", self.group)
-        return self.collective(name, dist.all_reduce, tensor, *args, rendezvous=rendezvous, **kw)
-
-    @hot_path
-    def all_to_all_single(
-        self, output: torch.Tensor, input: torch.Tensor, *args: Any, name: str = "all_to_all",
-        rendezvous: bool = True, **kw: Any,
-    ) -> Any:  # fmt: skip
-        kw.setdefault("group", self.group)
-        return self.collective(
-            name, dist.all_to_all_single, output, input, *args, rendezvous=rendezvous, **kw
-        )
-
-    @hot_path
-    def all_gather_into_tensor(
-        self, output: torch.Tensor, input: torch.Tensor, *args: Any, name: str = "all_gather",
-        rendezvous: bool = True, **kw: Any,
-    ) -> Any:  # fmt: skip
-        kw.setdefault("group", self.group)
-        return self.collective(
-            name, dist.all_gather_into_tensor, output, input, *args, rendezvous=rendezvous, **kw
-        )
+    # The same calls as the profiler's, through the plain ``collective`` above.
+    all_reduce = collective_calls.all_reduce
+    all_to_all_single = collective_calls.all_to_all_single
+    all_gather_into_tensor = collective_calls.all_gather_into_tensor
 
     def calibrate(self) -> None:
         return None

@@ -25,6 +25,7 @@ from rich.console import Console
 from torch import nn
 
 from syncless.hot_path import hot_path
+from syncless.profile import collective_calls
 from syncless.profile import report as _report
 from syncless.profile import summary as _summary
 from syncless.profile.calibrate import Calibration, calibrate
@@ -210,36 +211,10 @@ class Profiler:
         """
         return self._recorder.collective(name, fn, *args, rendezvous=rendezvous, **kw)
 
-    @hot_path
-    def all_reduce(
-        self, tensor: torch.Tensor, *args: Any, name: str = "all_reduce",
-        rendezvous: bool = True, **kw: Any,
-    ) -> Any:  # fmt: skip
-        """``dist.all_reduce`` through ``collective``."""
-        kw.setdefault("group", self.group)
-        return self.collective(name, dist.all_reduce, tensor, *args, rendezvous=rendezvous, **kw)
-
-    @hot_path
-    def all_to_all_single(
-        self, output: torch.Tensor, input: torch.Tensor, *args: Any, name: str = "all_to_all",
-        rendezvous: bool = True, **kw: Any,
-    ) -> Any:  # fmt: skip
-        """``dist.all_to_all_single`` through ``collective``."""
-        kw.setdefault("group", self.group)
-        return self.collective(
-            name, dist.all_to_all_single, output, input, *args, rendezvous=rendezvous, **kw
-        )
-
-    @hot_path
-    def all_gather_into_tensor(
-        self, output: torch.Tensor, input: torch.Tensor, *args: Any, name: str = "all_gather",
-        rendezvous: bool = True, **kw: Any,
-    ) -> Any:  # fmt: skip
-        """``dist.all_gather_into_tensor`` through ``collective``."""
-        kw.setdefault("group", self.group)
-        return self.collective(
-            name, dist.all_gather_into_tensor, output, input, *args, rendezvous=rendezvous, **kw
-        )
+    # Each ``dist`` call through ``collective``, the group defaulting to the profiler's.
+    all_reduce = collective_calls.all_reduce
+    all_to_all_single = collective_calls.all_to_all_single
+    all_gather_into_tensor = collective_calls.all_gather_into_tensor
 
     def hook_module(
         self, module: nn.Module, name: str, category: str = "compute", bytes: int = 0

@@ -278,15 +278,7 @@ class SpanRecorder:
     def collective(
         self, name: str, fn: Callable[..., Any], *args: Any, rendezvous: bool = True, **kw: Any
     ) -> Any:
-        """Call ``fn(*args, **kw)`` and time it as ``name/enqueue|rendezvous|transfer``.
-
-        With ``rendezvous=True`` (and a process group) a 1-element all_reduce on the same
-        group is issued right before ``fn``: the time spent in it is this rank's wait
-        for the last rank to arrive, so ``transfer`` holds the collective alone.
-        ``enqueue`` is host time inside ``fn`` (on gloo, which is synchronous, it
-        contains the transfer). Use blocking calls (no ``async_op=True``): with an
-        async op ``transfer`` only covers the enqueue.
-        """
+        """``Profiler.collective``'s recording (its docstring says what is timed)."""
         t_in = time.perf_counter_ns()
         if not self.in_step:
             self.misused("coll-outside", f"collective {name!r} outside a step; not timed")

@@ -81,3 +81,38 @@ def test_delay_on_rank1_is_rendezvous_wait_on_rank0():
     for n in ("rendezvous_ms", "transfer_ms", "enqueue_ms", "time_ms", "calls_count"):
         assert f"profile/moe_a2a/{n}" in names
     assert {"profile/self/host_ms", "profile/self/misuse_count", "profile/step/time_ms"} <= names
+
+
+def _wrappers_worker(rank, world):
+    from syncless.profile import OFF
+
+    out = {}
+    for label, prof in (("profiler", Profiler(report_every=1)), ("off", OFF)):
+        mine = torch.full((2,), float(rank + 1))
+        summed, gathered, swapped = mine.clone(), torch.empty(2 * world), torch.empty(2)
+        with census(cpu_as_device=True) as c:
+            with prof.step(0):
+                prof.all_reduce(summed, name="sum")
+                prof.all_gather_into_tensor(gathered, mine, name="gather")
+                prof.all_to_all_single(swapped, torch.tensor([rank * 10.0, rank * 10.0 + 1]))
+            c.step()
+        rows = {r.name for r in prof.report().rows} if label == "profiler" else set()
+        out[label] = {
+            "sum": summed.tolist(), "gather": gathered.tolist(), "swap": swapped.tolist(),
+            "syncs": c.total, "rows": rows,
+        }  # fmt: skip
+    return out
+
+
+def test_every_wrapper_of_the_profiler_and_of_off_runs_its_collective():
+    results = spawn_gloo(_wrappers_worker, 2)
+    for rank, r in enumerate(results):
+        for label in ("profiler", "off"):
+            got = r[label]
+            assert got["sum"] == [3.0, 3.0]  # 1 + 2
+            assert got["gather"] == [1.0, 1.0, 2.0, 2.0]
+            # all_to_all: element j of rank i goes to rank j, at position i.
+            assert got["swap"] == [0.0 + rank, 10.0 + rank]
+            assert got["syncs"] == 0
+        timed = {"sum/transfer", "gather/transfer", "all_to_all/transfer"}
+        assert timed <= r["profiler"]["rows"], r["profiler"]["rows"]
