@@ -3,6 +3,7 @@
     BEFORE=/path/to/old/tree python bench/demo_mfu.py     # before/after, one call, <= 9 min
     python bench/demo_mfu.py --impls                       # grouped vs padded vs loop experts
     python bench/demo_mfu.py --sweep [--quick]             # candidate shapes for `large`
+    python bench/demo_mfu.py --ranks                       # 1 rank, --nproc 2, + --expert-parallel
     python bench/demo_mfu.py --smoke --no-record           # every mode, tiny, on a CPU
 
 Default mode: `syncless demo --preset large` in three configurations, off, the default
@@ -22,6 +23,13 @@ tokens/s x FLOPs per token / the GPU's bf16 peak, this tree's formula
 deviation / mean of the per-step times. Before runs --before-steps (default 50: the
 old demo is host-bound and slow, and the call must fit in one 10-minute device call;
 --budget-s skips, and says so, any run that would start too late).
+
+`--ranks`: `large` on one rank, on two (`--nproc 2`, data parallel) and on two with
+`--expert-parallel` (its default `--ep-splits auto`), each run's loss, backend and
+`syncless check` verdict beside its numbers. MFU is per GPU. On a machine with one GPU
+the two ranks share it over gloo (NCCL needs a GPU per rank) with `--batch-size 4`
+(two ranks of `large` need twice its 42 GiB): a check that every multi-rank code path
+runs on CUDA, not a speed.
 
 Both trees log every step (`--log-every 1`), so every step has its own time: this
 tree reads a logged step a step late without waiting (syncless.demo.steplog); the old
@@ -68,6 +76,11 @@ SHAPES = {
                                              expert_hidden=1536, batch_size=8),
     "8x2560, h1024, E16 k4, 24.6k tok": dict(n_experts=16, top_k=4, expert_hidden=1024),
 }  # fmt: skip
+RANKS = {
+    "1 rank": [],
+    "2 ranks": ["--nproc", "2"],
+    "2 ranks --expert-parallel": ["--nproc", "2", "--expert-parallel"],
+}
 IMPLS = {
     "grouped": ["--expert-impl", "grouped"],
     "padded exact": ["--expert-impl", "padded"],
@@ -87,6 +100,7 @@ class Measured:
     memory_gib: float | None
     dropped: float | None  # share of (token, expert) rows dropped over capacity
     config: dict
+    verdict: str = ""  # --ranks: losses, backend, `syncless check`
 
     def brief(self) -> str:
         text = f"{self.tokens_per_s / 1e3:,.1f}k tokens/s"
@@ -97,6 +111,8 @@ class Measured:
             text += f", peak {self.memory_gib:.1f} GiB"
         if self.dropped is not None:
             text += f", {self.dropped:.2%} of rows dropped"
+        if self.verdict:
+            text += f"; {self.verdict}"
         return text
 
 
@@ -130,15 +146,16 @@ def measure(run_dir: Path, warmup: int) -> Measured:
     if len(step_ms) < 2:
         raise RuntimeError(f"{len(step_ms)} step(s) logged after step {warmup} in {run_dir}")
     world = int(config.get("world_size", 1))
+    gpus = int(config.get("gpus") or world)  # fewer than the ranks when they share GPUs
     tokens = cfg.batch_size * cfg.seq_len * world
     tokens_per_s = tokens * len(step_ms) / (sum(step_ms) / 1e3)
     peak = _device_peak()
     per_token = flops_per_token(cfg)
     mfu = mfu_causal = None
     if peak.flops is not None:
-        mfu = tokens_per_s * per_token / world / peak.flops
+        mfu = tokens_per_s * per_token / gpus / peak.flops
         causal = per_token - attention_flops_per_token(cfg) / 2
-        mfu_causal = tokens_per_s * causal / world / peak.flops
+        mfu_causal = tokens_per_s * causal / gpus / peak.flops
     memory = metric_values(run_dir, "demo/step/max_memory_mb", 0)
     dropped = metric_values(run_dir, "demo/step/dropped_rows_frac", warmup)
     return Measured(
@@ -183,16 +200,37 @@ def _shape(config: dict) -> str:
             f" = {tokens:,} tokens/step, {flops_per_token(c) / 1e9:.3g} GFLOP/token")  # fmt: skip
 
 
-def _outcome(result: Path | str, warmup: int) -> Measured | str:
-    """The run's numbers; its directory is removed (captures run to gigabytes)."""
+def _outcome(result: Path | str, warmup: int, verify: bool = False) -> Measured | str:
+    """The run's numbers; its directory is removed (captures run to gigabytes).
+
+    ``verify``: also its losses, backend and what `syncless check` says of it.
+    """
     if isinstance(result, str):
         return result
     try:
-        return measure(result, warmup)
+        measured = measure(result, warmup)
+        if verify:
+            measured.verdict = _verdict(result, measured.config)
+        return measured
     except Exception as e:  # a run that logged too little says so in the line
         return f"unreadable ({type(e).__name__}: {e})"
     finally:
         shutil.rmtree(result, ignore_errors=True)
+
+
+def _verdict(run_dir: Path, config: dict) -> str:
+    loss = metric_values(run_dir, "demo/step/loss", 0)
+    finite = all(v == v and abs(v) != float("inf") for v in loss)
+    check = subprocess.run([sys.executable, "-m", "syncless.cli", "check", str(run_dir)],
+                           capture_output=True, text=True, env={**os.environ,
+                           "PYTHONPATH": str(HERE)})  # fmt: skip
+    said = (check.stdout.strip().splitlines() or ["?"])[-1].rsplit(": ", 1)[-1][:120]
+    gpus = config.get("gpus")
+    on = f"{gpus} GPU(s)" if gpus else "CPU"
+    return (f"{config.get('world_size')} rank(s) on {on}, backend {config.get('backend')}, "
+            f"ep {config.get('ep_mode')}; loss {loss[0]:.3f} -> {loss[-1]:.3f} "
+            f"({'finite' if finite else 'NOT FINITE'}); syncless check: exit "
+            f"{check.returncode} ({said})")  # fmt: skip
 
 
 def before_after(args: argparse.Namespace, tmp: Path) -> list[str]:
@@ -341,6 +379,32 @@ def impls(args: argparse.Namespace, tmp: Path) -> list[str]:
             f"{args.steps - 1}, off: " + "; ".join(parts)]  # fmt: skip
 
 
+def _gpu_count() -> int:
+    probe = "import torch; print(torch.cuda.device_count())"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    return int(out.stdout.strip() or 0)
+
+
+def ranks(args: argparse.Namespace, tmp: Path) -> list[str]:
+    gpus = _gpu_count()
+    shared = gpus == 1
+    extra = ["--batch-size", "4"] if shared and not args.smoke else []
+    parts = []
+    for name, flags in RANKS.items():
+        argv = ["--preset", args.preset, *flags, *extra, *args.demo_args]
+        run = run_demo(HERE, argv, args.steps, tmp, name.replace(" ", "-"), args.timeout)
+        got = _outcome(run, args.warmup, verify=True)
+        parts.append(f"{name}: {got.brief() if isinstance(got, Measured) else got}")
+        print(f"    {parts[-1]}", flush=True)
+    where = (f"{gpus} GPU(s)" + (": the two ranks share it over gloo, a check of the CUDA "
+             "code paths, not a speed" if shared else "")) if gpus else "CPU, gloo"  # fmt: skip
+    return [
+        f"--ranks, demo --preset {args.preset} {' '.join(extra + args.demo_args)}".rstrip()
+        + f", steps {args.warmup}..{args.steps - 1}, off, {where}: "
+        + "; ".join(parts)
+    ]
+
+
 def sweep(args: argparse.Namespace, tmp: Path) -> list[str]:
     parts = []
     for name, overrides in SHAPES.items():
@@ -363,6 +427,7 @@ def main() -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--impls", action="store_true", help="grouped vs padded vs loop")
     mode.add_argument("--sweep", action="store_true", help="candidate shapes for `large`")
+    mode.add_argument("--ranks", action="store_true", help="1 rank, 2, 2 expert-parallel")
     mode.add_argument("--sync-check-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="--sweep: 30 steps a shape")
     parser.add_argument("--smoke", action="store_true",
@@ -377,13 +442,13 @@ def main() -> None:
                         "skipped and say so (default 540: one 10-minute device call)")  # fmt: skip
     parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     args, args.demo_args = parser.parse_known_args()
-    small, one_tree = args.smoke, args.sweep or args.impls
+    small, one_tree = args.smoke, args.sweep or args.impls or args.ranks
     args.preset = args.preset or ("tiny" if small else "large")
     if args.sync_check_child:
         sync_check_child(args)
         return
     if args.steps is None:
-        args.steps = 12 if small else (30 if args.quick else 60) if one_tree else 120
+        args.steps = 12 if small else (30 if args.quick or args.ranks else 60) if one_tree else 120
     if args.before_steps is None:
         args.before_steps = 12 if small else 50
     if args.warmup is None:
@@ -395,6 +460,8 @@ def main() -> None:
             lines = impls(args, Path(tmp))
         elif args.sweep:
             lines = sweep(args, Path(tmp))
+        elif args.ranks:
+            lines = ranks(args, Path(tmp))
         else:
             lines = before_after(args, Path(tmp))
     for line in lines:

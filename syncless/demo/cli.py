@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from syncless.demo.config import PRESETS, add_config_arguments, config_from_args
+from syncless.demo.config import PRESETS, DemoConfig, add_config_arguments, config_from_args
 from syncless.demo.launch import launch, strip_nproc
 from syncless.demo.signals import AGENT_PID_ENV, Stopped, die_with_parent, stop_on
 from syncless.errors import UsageError
@@ -225,6 +225,20 @@ def build_tools(args: argparse.Namespace) -> list:
     return tools
 
 
+def _say_if_ranks_share_gpus(cfg: DemoConfig, nproc: int) -> None:
+    import torch  # the launcher itself never touches the GPU
+
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if nproc > gpus:
+        print(
+            f"syncless demo: {nproc} ranks on {gpus} GPU(s): ranks share GPUs and talk over "
+            "gloo (NCCL needs a GPU per rank); every code path runs, at no meaningful speed",
+            file=sys.stderr,
+        )
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = config_from_args(args)  # validates the preset before anything starts
     name = args.name or f"demo-{args.preset}"
@@ -247,6 +261,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if args.run_dir is not None:
             check_run_dir(Path(args.run_dir), args.resume)
         check_writable(Path(args.run_dir or DEFAULT_ROOT))
+        _say_if_ranks_share_gpus(cfg, args.nproc)
         # Rank 0 claims the directory and prints the summary (or, with --quiet, the run
         # directory) itself.
         return launch(args.nproc, [*strip_nproc(argv), "--name", name])

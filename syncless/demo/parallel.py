@@ -19,11 +19,29 @@ from torch import nn
 from syncless.run import RankInfo, rank_info
 
 
+def ranks_per_gpu() -> int:
+    """How many of this machine's ranks share each GPU: 1 unless ``--nproc`` is more
+    than the GPUs torch sees (then local rank r runs on GPU ``r % count``)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return -(-local_ranks // max(torch.cuda.device_count(), 1))
+
+
+def backend_for(device_type: str) -> str:
+    """NCCL with a GPU per rank; gloo on CPU and for ranks that share a GPU.
+
+    NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo takes CUDA
+    tensors (through copies to the host, which wait for the GPU), so `--nproc 2` runs
+    on a one-GPU machine: every multi-rank code path on CUDA, at no meaningful speed.
+    """
+    if device_type == "cuda" and ranks_per_gpu() == 1:
+        return "nccl"
+    return "gloo"
+
+
 def init_distributed(device_type: str) -> RankInfo:
-    """Join the torchrun job if there is one (NCCL on CUDA, gloo on CPU)."""
+    """Join the torchrun job if there is one (backend: :func:`backend_for`)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=5))
+        dist.init_process_group(backend_for(device_type), timeout=timedelta(minutes=5))
     return rank_info()
 
 

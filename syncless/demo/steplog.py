@@ -31,13 +31,13 @@ class Throughput:
     tokens_per_step: int  # global: every rank's batch
     flops_per_token: int
     peak: Peak
-    world_size: int
+    gpus: int  # MFU is per GPU; ranks that share a GPU add up on it
 
     def metrics(self, step_s: float) -> dict[str, float]:
         tokens_per_s = self.tokens_per_step / step_s
         out = {"demo/step/step_ms": step_s * 1e3, "demo/step/tokens_per_s": tokens_per_s}
         if self.peak.flops is not None:
-            achieved = tokens_per_s * self.flops_per_token / self.world_size
+            achieved = tokens_per_s * self.flops_per_token / self.gpus
             out["demo/step/mfu_frac"] = achieved / self.peak.flops
         return out
 
@@ -94,6 +94,7 @@ class StepLog:
         self.pending: _Logged | None = None
         self.last_end = _mark(device)  # before the first step
         self.last_issued = first_step - 1
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
 
     def issue(
         self,
@@ -113,7 +114,7 @@ class StepLog:
             for e in self.dropping:
                 e.dropped_rows = None
         stats = torch.stack(values)
-        world = self.throughput.world_size
+        world = self.world
         if world > 1:
             # grad_norm is already global (equal on every rank), so the mean keeps it.
             dist.all_reduce(stats)

@@ -22,7 +22,12 @@ from syncless.demo.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatch
 from syncless.demo.experts import Experts, resolve_impl
 from syncless.demo.flops import Peak, flops_per_token, peak_for
 from syncless.demo.model import MoETransformer, init_weights
-from syncless.demo.parallel import clip_grad_norm, init_distributed, sync_gradients
+from syncless.demo.parallel import (
+    clip_grad_norm,
+    init_distributed,
+    ranks_per_gpu,
+    sync_gradients,
+)
 from syncless.demo.progress import progress_view
 from syncless.demo.signals import Stopped, pending_stop
 from syncless.demo.steplog import StepLog, Throughput
@@ -44,8 +49,9 @@ def pick_device(cfg: DemoConfig, ranks: RankInfo) -> torch.device:
             from syncless.errors import UsageError
 
             raise UsageError("--device cuda was asked for but torch sees no CUDA device")
-        torch.cuda.set_device(ranks.local_rank)
-        return torch.device("cuda", ranks.local_rank)
+        index = ranks.local_rank % torch.cuda.device_count()  # shared: parallel.ranks_per_gpu
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
@@ -64,6 +70,12 @@ def peak_of(cfg: DemoConfig, device: torch.device) -> Peak:
     return peak_for(device.type, name, _bf16(cfg, device))
 
 
+def gpus_used(device: torch.device, world: int) -> int:
+    """The GPUs ``world`` ranks run on (fewer than the ranks when they share GPUs); the
+    ranks' count on a CPU. MFU is per GPU."""
+    return -(-world // ranks_per_gpu()) if device.type == "cuda" else world
+
+
 def run_facts(cfg: DemoConfig, device: torch.device, world: int) -> dict:
     """What run.json records beside the config: what ran, and what MFU is taken against."""
     peak = peak_of(cfg, device)
@@ -71,6 +83,8 @@ def run_facts(cfg: DemoConfig, device: torch.device, world: int) -> dict:
     return {
         "world_size": world,
         "device": str(device),
+        "gpus": gpus_used(device, world) if device.type == "cuda" else 0,
+        "backend": dist.get_backend() if dist.is_initialized() else None,
         "expert_impl_used": resolve_impl(
             cfg.expert_impl, device, dtype, (cfg.d_model, cfg.expert_hidden)
         ),
@@ -222,7 +236,9 @@ def _train_in(
         tool.attach(demo_ctx)
 
     result = DemoResult(run.dir, first_step=first)
-    throughput = Throughput(cfg.batch_size * cfg.seq_len * world, flops_per_token(cfg), peak, world)
+    throughput = Throughput(
+        cfg.batch_size * cfg.seq_len * world, flops_per_token(cfg), peak, gpus_used(device, world)
+    )
     dtype = torch.bfloat16 if _bf16(cfg, device) else torch.float32
     dropping = [
         m for m in model.modules()

@@ -100,3 +100,24 @@ def test_two_rank_expert_parallel_demo_matches_single_process(tmp_path):
     assert len(by_rank[0]) == steps
     for (_, want), got in zip(single, by_rank[0], strict=True):
         assert abs(got - want) < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("gpus", "local_ranks", "device", "backend", "share"),
+    [
+        (2, 2, "cuda", "nccl", 1),
+        (8, 2, "cuda", "nccl", 1),
+        (1, 2, "cuda", "gloo", 2),  # NCCL refuses two ranks on one GPU
+        (2, 3, "cuda", "gloo", 2),
+        (0, 2, "cpu", "gloo", 2),
+    ],
+)
+def test_ranks_beyond_the_gpu_count_share_gpus_over_gloo(
+    monkeypatch, gpus, local_ranks, device, backend, share
+):
+    from syncless.demo.parallel import backend_for, ranks_per_gpu
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    assert backend_for(device) == backend
+    assert ranks_per_gpu() == share

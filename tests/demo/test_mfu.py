@@ -74,11 +74,14 @@ def test_no_mfu_without_a_known_bf16_peak():
 
 def test_throughput_turns_a_step_time_into_tokens_and_mfu():
     h200 = peak_for("cuda", "NVIDIA H200", bf16=True)
-    two_ranks = Throughput(tokens_per_step=20_000, flops_per_token=4_000_000_000, peak=h200,
-                           world_size=2)  # fmt: skip
-    m = two_ranks.metrics(0.25)
+    two_gpus = Throughput(tokens_per_step=20_000, flops_per_token=4_000_000_000, peak=h200,
+                          gpus=2)  # fmt: skip
+    m = two_gpus.metrics(0.25)
     assert m["demo/step/tokens_per_s"] == 80_000
     assert m["demo/step/mfu_frac"] == pytest.approx(80_000 * 4e9 / 2 / 989e12)
+    # Two ranks sharing one GPU: the GPU does both ranks' work.
+    shared = Throughput(20_000, 4_000_000_000, h200, gpus=1).metrics(0.25)
+    assert shared["demo/step/mfu_frac"] == pytest.approx(80_000 * 4e9 / 989e12)
     cpu = Throughput(1000, 10, peak_for("cpu", "", False), 1).metrics(0.5)
     assert "demo/step/mfu_frac" not in cpu and cpu["demo/step/step_ms"] == 500
 
