@@ -166,6 +166,13 @@ def measure(run_dir: Path, warmup: int) -> Measured:
     )  # fmt: skip
 
 
+def _env(tree: Path) -> dict[str, str]:
+    """The environment of a child on ``tree``: its package first, then whatever the
+    caller put on PYTHONPATH (the device machine's duckdb, say)."""
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def run_demo(tree: Path, argv: list[str], steps: int, tmp: Path, name: str,
              timeout_s: float) -> Path | str:  # fmt: skip
     """Run one demo in its own process; its run directory, or why it failed."""
@@ -174,7 +181,7 @@ def run_demo(tree: Path, argv: list[str], steps: int, tmp: Path, name: str,
         return "skipped: the call's --budget-s ran out"
     timeout_s = min(timeout_s, left)
     run_dir = tmp / name
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = _env(tree)
     cmd = [sys.executable, "-m", "syncless.cli", "demo", *argv, "--steps", str(steps),
            "--log-every", "1", "--quiet", "--no-report", "--run-dir", str(run_dir)]  # fmt: skip
     start = time.perf_counter()
@@ -186,7 +193,10 @@ def run_demo(tree: Path, argv: list[str], steps: int, tmp: Path, name: str,
     took = time.perf_counter() - start
     print(f"  {name}: {took:.0f} s, exit {p.returncode}", flush=True)
     if p.returncode != 0:
-        tail = " | ".join(p.stderr.strip().splitlines()[-3:])
+        lines = p.stderr.strip().splitlines()
+        # torchrun ends with its own report; the rank's error is the line that names one.
+        named = [line for line in lines if "Error" in line or "what():" in line]
+        tail = named[-1].strip()[:300] if named else " | ".join(lines[-3:])
         return "out of memory" if "out of memory" in p.stderr.lower() else f"failed: {tail}"
     return run_dir
 
@@ -221,9 +231,12 @@ def _outcome(result: Path | str, warmup: int, verify: bool = False) -> Measured 
 def _verdict(run_dir: Path, config: dict) -> str:
     loss = metric_values(run_dir, "demo/step/loss", 0)
     finite = all(v == v and abs(v) != float("inf") for v in loss)
-    check = subprocess.run([sys.executable, "-m", "syncless.cli", "check", str(run_dir)],
-                           capture_output=True, text=True, env={**os.environ,
-                           "PYTHONPATH": str(HERE)})  # fmt: skip
+    check = subprocess.run(
+        [sys.executable, "-m", "syncless.cli", "check", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=_env(HERE),
+    )
     said = (check.stdout.strip().splitlines() or ["?"])[-1].rsplit(": ", 1)[-1][:120]
     gpus = config.get("gpus")
     on = f"{gpus} GPU(s)" if gpus else "CPU"
@@ -299,7 +312,7 @@ def sync_check(args: argparse.Namespace, tmp: Path) -> str:
         try:
             p = subprocess.run(child, capture_output=True, text=True,
                                timeout=min(args.timeout, left),
-                               env={**os.environ, "PYTHONPATH": str(HERE)})  # fmt: skip
+                               env=_env(HERE))  # fmt: skip
         except subprocess.TimeoutExpired:
             check = "the step under the CUDA sync debug mode: timed out"
         else:

@@ -180,8 +180,12 @@ class Experts(nn.Module):
 
     @staticmethod
     def _gather(x: torch.Tensor, index: torch.Tensor | None, src: torch.Tensor, rows: int):
-        if rows == 0:  # nothing routed here: zero rows still give the weights a gradient
-            return x.new_zeros((src.shape[0], x.shape[1]))
+        if rows == 0:
+            # Nothing routed here: zeros, which still give the weights a gradient, and
+            # still built from x (+ its empty sum): under expert parallelism x came by an
+            # all_to_all whose backward every rank must join, a rank with no rows too
+            # (a graph cut here hung the other rank on NCCL).
+            return x.new_zeros((src.shape[0], x.shape[1])) + x.sum()
         return x.index_select(0, src if index is None else index[src])
 
     def _grouped(self, x, index, counts, expert, rank, rows: int) -> torch.Tensor:
