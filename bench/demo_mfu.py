@@ -230,6 +230,9 @@ def _outcome(result: Path | str, warmup: int, verify: bool = False) -> Measured 
 
 def _verdict(run_dir: Path, config: dict) -> str:
     loss = metric_values(run_dir, "demo/step/loss", 0)
+    # The router's load-balance loss: 1 when every expert gets its share, E/k when all
+    # tokens go to k experts.
+    balance = metric_values(run_dir, "demo/step/balance_loss", 0)
     finite = all(v == v and abs(v) != float("inf") for v in loss)
     check = subprocess.run(
         [sys.executable, "-m", "syncless.cli", "check", str(run_dir)],
@@ -242,7 +245,8 @@ def _verdict(run_dir: Path, config: dict) -> str:
     on = f"{gpus} GPU(s)" if gpus else "CPU"
     return (f"{config.get('world_size')} rank(s) on {on}, backend {config.get('backend')}, "
             f"ep {config.get('ep_mode')}; loss {loss[0]:.3f} -> {loss[-1]:.3f} "
-            f"({'finite' if finite else 'NOT FINITE'}); syncless check: exit "
+            f"({'finite' if finite else 'NOT FINITE'}), balance loss {balance[0]:.2f} -> "
+            f"{balance[-1]:.2f} (max {max(balance):.2f}); syncless check: exit "
             f"{check.returncode} ({said})")  # fmt: skip
 
 
