@@ -195,6 +195,20 @@ def _demo_mfu_sweep(ctx: Ctx) -> None:  # every shape shrunk to seconds on a CPU
     assert (dc.ROOT / "bench" / "RESULTS.md").read_bytes() == results
 
 
+@runs("python bench/demo_mfu.py --ranks")
+def _demo_mfu_ranks(ctx: Ctx) -> None:  # tiny on CPU ranks over gloo (--smoke)
+    results = (dc.ROOT / "bench" / "RESULTS.md").read_bytes()
+    out = ctx.run([*ctx.argv(), "--smoke", "--no-record"]).stdout
+    (line,) = [x for x in out.splitlines() if x.startswith("--ranks, demo")]
+    runs = line.split(": ", 1)[1].split("; syncless check: ")
+    assert len(runs) == 4, line  # one rank, expert parallel, data parallel
+    assert all(r.startswith("exit 0 (healthy)") for r in runs[1:]), line
+    assert line.count("(finite)") == 3 and "NOT FINITE" not in line, line
+    assert "2 rank(s) on CPU, backend gloo, ep lookahead" in line, line  # --ep-splits auto
+    assert "2 rank(s) on CPU, backend gloo, ep None" in line, line
+    assert (dc.ROOT / "bench" / "RESULTS.md").read_bytes() == results
+
+
 # ---- syncless report (docs/report.md) -----------------------------------------------
 
 
