@@ -31,12 +31,12 @@ class Throughput:
     tokens_per_step: int  # global: every rank's batch
     flops_per_token: int
     peak: Peak
-    gpus: int  # MFU is per GPU; ranks that share a GPU add up on it
+    gpus: int  # MFU is per GPU (ranks that share a GPU add up on it); 0 on a CPU
 
     def metrics(self, step_s: float) -> dict[str, float]:
         tokens_per_s = self.tokens_per_step / step_s
         out = {"demo/step/step_ms": step_s * 1e3, "demo/step/tokens_per_s": tokens_per_s}
-        if self.peak.flops is not None:
+        if self.peak.flops is not None and self.gpus > 0:
             achieved = tokens_per_s * self.flops_per_token / self.gpus
             out["demo/step/mfu_frac"] = achieved / self.peak.flops
         return out

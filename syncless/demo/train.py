@@ -71,9 +71,9 @@ def peak_of(cfg: DemoConfig, device: torch.device) -> Peak:
 
 
 def gpus_used(device: torch.device, world: int) -> int:
-    """The GPUs ``world`` ranks run on (fewer than the ranks when they share GPUs); the
-    ranks' count on a CPU. MFU is per GPU."""
-    return -(-world // ranks_per_gpu()) if device.type == "cuda" else world
+    """The GPUs ``world`` ranks run on (fewer than the ranks when they share GPUs), 0 on
+    a CPU. MFU is per GPU."""
+    return -(-world // ranks_per_gpu()) if device.type == "cuda" else 0
 
 
 def run_facts(cfg: DemoConfig, device: torch.device, world: int) -> dict:
@@ -83,7 +83,7 @@ def run_facts(cfg: DemoConfig, device: torch.device, world: int) -> dict:
     return {
         "world_size": world,
         "device": str(device),
-        "gpus": gpus_used(device, world) if device.type == "cuda" else 0,
+        "gpus": gpus_used(device, world),
         "backend": dist.get_backend() if dist.is_initialized() else None,
         "expert_impl_used": resolve_impl(
             cfg.expert_impl, device, dtype, (cfg.d_model, cfg.expert_hidden)

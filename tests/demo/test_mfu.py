@@ -82,7 +82,7 @@ def test_throughput_turns_a_step_time_into_tokens_and_mfu():
     # Two ranks sharing one GPU: the GPU does both ranks' work.
     shared = Throughput(20_000, 4_000_000_000, h200, gpus=1).metrics(0.25)
     assert shared["demo/step/mfu_frac"] == pytest.approx(80_000 * 4e9 / 989e12)
-    cpu = Throughput(1000, 10, peak_for("cpu", "", False), 1).metrics(0.5)
+    cpu = Throughput(1000, 10, peak_for("cpu", "", False), 0).metrics(0.5)
     assert "demo/step/mfu_frac" not in cpu and cpu["demo/step/step_ms"] == 500
 
 
