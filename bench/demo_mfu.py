@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -233,7 +234,7 @@ def _verdict(run_dir: Path, config: dict) -> str:
     # The router's load-balance loss: 1 when every expert gets its share, E/k when all
     # tokens go to k experts.
     balance = metric_values(run_dir, "demo/step/balance_loss", 0)
-    finite = all(v == v and abs(v) != float("inf") for v in loss)
+    finite = all(math.isfinite(v) for v in loss)
     check = subprocess.run(
         [sys.executable, "-m", "syncless.cli", "check", str(run_dir)],
         capture_output=True,

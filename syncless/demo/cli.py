@@ -228,13 +228,15 @@ def build_tools(args: argparse.Namespace) -> list:
 def _say_if_ranks_share_gpus(cfg: DemoConfig, nproc: int) -> None:
     import torch  # the launcher itself never touches the GPU
 
+    from syncless.demo.parallel import ranks_per_gpu
+
     if cfg.device == "cpu" or not torch.cuda.is_available():
         return
-    gpus = torch.cuda.device_count()
-    if nproc > gpus:
+    if ranks_per_gpu(nproc) > 1:
         print(
-            f"syncless demo: {nproc} ranks on {gpus} GPU(s): ranks share GPUs and talk over "
-            "gloo (NCCL needs a GPU per rank); every code path runs, at no meaningful speed",
+            f"syncless demo: {nproc} ranks on {torch.cuda.device_count()} GPU(s): ranks share "
+            "GPUs and talk over gloo (NCCL needs a GPU per rank); every code path runs, at no "
+            "meaningful speed",
             file=sys.stderr,
         )
 

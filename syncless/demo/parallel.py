@@ -19,10 +19,12 @@ from torch import nn
 from syncless.run import RankInfo, rank_info
 
 
-def ranks_per_gpu() -> int:
-    """How many of this machine's ranks share each GPU: 1 unless ``--nproc`` is more
-    than the GPUs torch sees (then local rank r runs on GPU ``r % count``)."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+def ranks_per_gpu(local_ranks: int | None = None) -> int:
+    """How many of this machine's ranks (``local_ranks``, else torchrun's
+    LOCAL_WORLD_SIZE) share each GPU: 1 unless they are more than the GPUs torch sees
+    (then local rank r runs on GPU ``r % count``)."""
+    if local_ranks is None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return -(-local_ranks // max(torch.cuda.device_count(), 1))
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from syncless.demo.experts import Experts
 from syncless.demo.flops import Peak
 from syncless.pacing import HostLanding
-from syncless.run import Run
+from syncless.run import Run, rank_info
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class StepLog:
         self.pending: _Logged | None = None
         self.last_end = _mark(device)  # before the first step
         self.last_issued = first_step - 1
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.world = rank_info().world_size
 
     def issue(
         self,

@@ -130,3 +130,5 @@ def test_ranks_beyond_the_gpu_count_share_gpus_over_gloo(
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
     assert backend_for(device) == backend
     assert ranks_per_gpu() == share
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # the launcher passes --nproc instead
+    assert ranks_per_gpu(local_ranks) == share
