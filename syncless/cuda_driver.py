@@ -17,9 +17,10 @@ raw stream).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -177,11 +178,16 @@ class Driver:
         copy into pinned memory) from any thread in the default mode invalidates the
         capture; a background thread that never enqueues on the capturing stream can
         make them safely. Whether the driver took it."""
+        return self.exchange_capture_mode(_CAPTURE_MODE_RELAXED) is not None
+
+    def exchange_capture_mode(self, mode: int) -> int | None:
+        """Set the calling thread's stream-capture mode; the mode it had, or None where
+        the driver lacks the call or refused it."""
         fn = getattr(self._lib, "cuThreadExchangeStreamCaptureMode", None)
         if fn is None:
-            return False
-        mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
-        return fn(ctypes.byref(mode)) == 0
+            return None
+        value = ctypes.c_int(mode)
+        return value.value if fn(ctypes.byref(value)) == 0 else None
 
     def write_fn(self) -> Any:
         """``cuStreamWriteValue64`` itself, ``(stream, address, value, flags) ->
@@ -229,6 +235,21 @@ class Driver:
         out = ctypes.c_uint64()
         ok = self._host_ptr(ctypes.byref(out), ctypes.c_void_p(host.data_ptr()), 0) == 0
         return out.value if ok else None
+
+
+@contextlib.contextmanager
+def relaxed_capture() -> Iterator[bool]:
+    """This thread in relaxed stream-capture mode for the block (whether it could be
+    set). For cold-path work during a capture (a one-time upload on another stream):
+    in the global and thread-local modes an event query or a stream sync from the
+    capturing thread invalidates the capture, in the relaxed mode it is allowed."""
+    drv = driver()
+    before = drv.exchange_capture_mode(_CAPTURE_MODE_RELAXED) if drv is not None else None
+    try:
+        yield before is not None
+    finally:
+        if drv is not None and before is not None:
+            drv.exchange_capture_mode(before)
 
 
 @functools.cache

@@ -91,18 +91,22 @@ def router_partials(*args: Any, **kwargs: Any) -> torch.Tensor:
     return router_partials(*args, **kwargs)
 
 
-def channel_absmax_partials(x: torch.Tensor) -> torch.Tensor:
+# ``gate``: a float64 device flag a kernel reads first, returning at once when it is 0
+# (inside a CUDA graph, where the host cannot skip the launch; syncless.metrics.SlotGroup).
+
+
+def channel_absmax_partials(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
     from syncless.kernels.activations import channel_absmax_partials
 
-    return channel_absmax_partials(x)
+    return channel_absmax_partials(x, gate)
 
 
 def channel_absmax_partials_grouped(
-    first: torch.Tensor, offsets: torch.Tensor, n_layers: int
+    first: torch.Tensor, offsets: torch.Tensor, n_layers: int, gate: torch.Tensor | None = None
 ) -> torch.Tensor:
     from syncless.kernels.activations import channel_absmax_partials_grouped
 
-    return channel_absmax_partials_grouped(first, offsets, n_layers)
+    return channel_absmax_partials_grouped(first, offsets, n_layers, gate)
 
 
 def rows_view(x: torch.Tensor) -> torch.Tensor:
@@ -111,10 +115,10 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
     return rows_view(x)
 
 
-def nonfinite_partials(x: torch.Tensor) -> torch.Tensor:
+def nonfinite_partials(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
     from syncless.kernels.activations import nonfinite_partials
 
-    return nonfinite_partials(x)
+    return nonfinite_partials(x, gate)
 
 
 def flat_view(x: torch.Tensor) -> torch.Tensor:
@@ -124,11 +128,11 @@ def flat_view(x: torch.Tensor) -> torch.Tensor:
 
 
 def output_stats_partials_grouped(
-    first: torch.Tensor, offsets: torch.Tensor, n_layers: int
+    first: torch.Tensor, offsets: torch.Tensor, n_layers: int, gate: torch.Tensor | None = None
 ) -> torch.Tensor:
     from syncless.kernels.activations import output_stats_partials_grouped
 
-    return output_stats_partials_grouped(first, offsets, n_layers)
+    return output_stats_partials_grouped(first, offsets, n_layers, gate)
 
 
 def output_counts_exact(rows: int, channels: int) -> bool:
@@ -138,11 +142,11 @@ def output_counts_exact(rows: int, channels: int) -> bool:
 
 
 def nonfinite_partials_grouped(
-    first: torch.Tensor, offsets: torch.Tensor, n_layers: int
+    first: torch.Tensor, offsets: torch.Tensor, n_layers: int, gate: torch.Tensor | None = None
 ) -> torch.Tensor:
     from syncless.kernels.activations import nonfinite_partials_grouped
 
-    return nonfinite_partials_grouped(first, offsets, n_layers)
+    return nonfinite_partials_grouped(first, offsets, n_layers, gate)
 
 
 def router_partials_grouped(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -158,8 +162,12 @@ def qk_stats_partials_grouped(*args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 def rope_rotate(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out_dtype: torch.dtype,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     from syncless.kernels.rope import rotate
 
-    return rotate(x, cos, sin, out_dtype)
+    return rotate(x, cos, sin, out_dtype, gate)

@@ -48,9 +48,14 @@ def _absmax_rows(
 # Row counts vary with the batch: not specialised (no mid-run recompile).
 @triton.jit(do_not_specialize=["R", "ROWS_PER_PROGRAM"])
 def _absmax_kernel(
-    x_ptr, out_ptr, R, C, sxr, ROWS_PER_PROGRAM,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    gate_ptr, x_ptr, out_ptr, R, C, sxr, ROWS_PER_PROGRAM,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
+    # Off in this replay of a CUDA graph: return before reading (the fold of the same
+    # gate drops the partials). Nested: GATED is a constexpr, the load exists only if on.
+    if GATED:  # noqa: SIM102
+        if tl.load(gate_ptr) == 0.0:
+            return
     pr = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
@@ -60,11 +65,16 @@ def _absmax_kernel(
 
 @triton.jit(do_not_specialize=["R", "ROWS_PER_PROGRAM"])
 def _absmax_grouped_kernel(
-    x_ptr, offsets_ptr, out_ptr, R, C, sxr, ROWS_PER_PROGRAM, OUT_STRIDE,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr,
+    gate_ptr, x_ptr, offsets_ptr, out_ptr, R, C, sxr, ROWS_PER_PROGRAM, OUT_STRIDE,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """Layer ``program_id(2)`` reads ``x_ptr + offsets[layer]`` (elements) and writes its
     partials at columns ``[layer * C, (layer + 1) * C)`` of ``out`` ``[P, L * C]``."""
+    # Off in this replay of a CUDA graph: return before reading (the fold of the same
+    # gate drops the partials). Nested: GATED is a constexpr, the load exists only if on.
+    if GATED:  # noqa: SIM102
+        if tl.load(gate_ptr) == 0.0:
+            return
     pr = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     layer = tl.program_id(2)
@@ -76,13 +86,18 @@ def _absmax_grouped_kernel(
 
 @triton.jit(do_not_specialize=["R", "ROWS_PER_PROGRAM"])
 def _output_grouped_kernel(
-    x_ptr, offsets_ptr, out_ptr, R, C, sxr, ROWS_PER_PROGRAM, OUT_STRIDE,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr,
+    gate_ptr, x_ptr, offsets_ptr, out_ptr, R, C, sxr, ROWS_PER_PROGRAM, OUT_STRIDE,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """Both reads of a layer output in one pass: per-channel max |x| at columns
     ``[layer * (C + 1), layer * (C + 1) + C)`` and the NaN/Inf count, added atomically
     by every channel block of the row block, at column ``layer * (C + 1) + C`` of the
     zeroed ``out`` ``[P, L * (C + 1)]``."""
+    # Off in this replay of a CUDA graph: return before reading (the fold of the same
+    # gate drops the partials). Nested: GATED is a constexpr, the load exists only if on.
+    if GATED:  # noqa: SIM102
+        if tl.load(gate_ptr) == 0.0:
+            return
     pr = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     layer = tl.program_id(2)
@@ -119,16 +134,29 @@ def _nonfinite_count(x_ptr, program, n, PER_PROGRAM, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["n", "PER_PROGRAM"])
-def _nonfinite_kernel(x_ptr, out_ptr, n, PER_PROGRAM, BLOCK: tl.constexpr):
+def _nonfinite_kernel(
+    gate_ptr, x_ptr, out_ptr, n, PER_PROGRAM, BLOCK: tl.constexpr, GATED: tl.constexpr
+):  # fmt: skip
+    # Off in this replay of a CUDA graph: return before reading (the fold of the same
+    # gate drops the partials). Nested: GATED is a constexpr, the load exists only if on.
+    if GATED:  # noqa: SIM102
+        if tl.load(gate_ptr) == 0.0:
+            return
     program = tl.program_id(0)
     tl.store(out_ptr + program, _nonfinite_count(x_ptr, program, n, PER_PROGRAM, BLOCK))
 
 
 @triton.jit(do_not_specialize=["n", "PER_PROGRAM"])
 def _nonfinite_grouped_kernel(
-    x_ptr, offsets_ptr, out_ptr, n, PER_PROGRAM, L, BLOCK: tl.constexpr, ALIGN: tl.constexpr
+    gate_ptr, x_ptr, offsets_ptr, out_ptr, n, PER_PROGRAM, L,
+    BLOCK: tl.constexpr, ALIGN: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """Layer ``program_id(1)`` reads ``x_ptr + offsets[layer]``; ``out`` is ``[P, L]``."""
+    # Off in this replay of a CUDA graph: return before reading (the fold of the same
+    # gate drops the partials). Nested: GATED is a constexpr, the load exists only if on.
+    if GATED:  # noqa: SIM102
+        if tl.load(gate_ptr) == 0.0:
+            return
     program = tl.program_id(0)
     layer = tl.program_id(1)
     base = x_ptr + tl.multiple_of(tl.load(offsets_ptr + layer), ALIGN)  # see attention
@@ -150,16 +178,18 @@ def _row_split(rows: int) -> tuple[int, int]:
 
 
 @hot_path
-def channel_absmax_partials(x: torch.Tensor) -> torch.Tensor:
-    """Partials ``[P, C]`` of per-channel max |x| over every dimension but the last."""
+def channel_absmax_partials(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Partials ``[P, C]`` of per-channel max |x| over every dimension but the last.
+    ``gate``: a float64 device flag; at 0 the kernel returns at once and leaves the
+    partials unwritten (the fold of the same gate skips them)."""
     x2 = rows_view(x)
     rows, channels = x2.shape
     per_program, n_partials = _row_split(rows)
     out = torch.empty((n_partials, channels), dtype=torch.float32, device=x.device)
     grid = (n_partials, triton.cdiv(channels, _BLOCK_C))
     _absmax_kernel[grid](
-        x2, out, rows, channels, x2.stride(0), per_program,
-        BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+        out if gate is None else gate, x2, out, rows, channels, x2.stride(0), per_program,
+        BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, GATED=gate is not None,
     )  # fmt: skip
     return out
 
@@ -176,19 +206,23 @@ def flat_view(x: torch.Tensor) -> torch.Tensor:
 
 
 @hot_path
-def nonfinite_partials(x: torch.Tensor) -> torch.Tensor:
-    """Partials ``[P, 1]``: NaN/Inf elements of ``x`` per program."""
+def nonfinite_partials(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Partials ``[P, 1]``: NaN/Inf elements of ``x`` per program (``gate``: as in
+    :func:`channel_absmax_partials`)."""
     flat = flat_view(x)
     n = flat.numel()
     per_program, n_programs = _flat_split(n)
     out = torch.empty((n_programs, 1), dtype=torch.float32, device=x.device)
-    _nonfinite_kernel[(n_programs,)](flat, out, n, per_program, BLOCK=_BLOCK)
+    _nonfinite_kernel[(n_programs,)](
+        out if gate is None else gate, flat, out, n, per_program,
+        BLOCK=_BLOCK, GATED=gate is not None,
+    )  # fmt: skip
     return out
 
 
 @hot_path
 def channel_absmax_partials_grouped(
-    first: torch.Tensor, offsets: torch.Tensor, n_layers: int
+    first: torch.Tensor, offsets: torch.Tensor, n_layers: int, gate: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Partials ``[P, L * C]`` of ``L`` layers' ``[rows, channels]`` views in one launch.
 
@@ -200,15 +234,17 @@ def channel_absmax_partials_grouped(
     out = torch.empty((n_partials, n_layers * channels), dtype=torch.float32, device=first.device)
     grid = (n_partials, triton.cdiv(channels, _BLOCK_C), n_layers)
     _absmax_grouped_kernel[grid](
-        first, offsets, out, rows, channels, first.stride(0), per_program, n_layers * channels,
+        out if gate is None else gate, first, offsets, out, rows, channels, first.stride(0),
+        per_program, n_layers * channels,
         BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, ALIGN=16 // first.element_size(),
+        GATED=gate is not None,
     )  # fmt: skip
     return out
 
 
 @hot_path
 def nonfinite_partials_grouped(
-    first: torch.Tensor, offsets: torch.Tensor, n_layers: int
+    first: torch.Tensor, offsets: torch.Tensor, n_layers: int, gate: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Partials ``[P, L]``: NaN/Inf counts of ``L`` layers' flat views in one launch
     (layer ``l`` at ``offsets[l]`` elements from ``first``, the same size and dtype)."""
@@ -216,21 +252,15 @@ def nonfinite_partials_grouped(
     per_program, n_programs = _flat_split(n)
     out = torch.empty((n_programs, n_layers), dtype=torch.float32, device=first.device)
     _nonfinite_grouped_kernel[(n_programs, n_layers)](
-        first,
-        offsets,
-        out,
-        n,
-        per_program,
-        n_layers,
-        BLOCK=_BLOCK,
-        ALIGN=16 // first.element_size(),
-    )
+        out if gate is None else gate, first, offsets, out, n, per_program, n_layers,
+        BLOCK=_BLOCK, ALIGN=16 // first.element_size(), GATED=gate is not None,
+    )  # fmt: skip
     return out
 
 
 @hot_path
 def output_stats_partials_grouped(
-    first: torch.Tensor, offsets: torch.Tensor, n_layers: int
+    first: torch.Tensor, offsets: torch.Tensor, n_layers: int, gate: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``channel_absmax_partials_grouped`` and ``nonfinite_partials_grouped`` in one read:
     partials ``[P, L * (C + 1)]``, per layer its ``C`` per-channel maxima then its NaN/Inf
@@ -241,8 +271,9 @@ def output_stats_partials_grouped(
     out = torch.zeros((n_partials, width), dtype=torch.float32, device=first.device)
     grid = (n_partials, triton.cdiv(channels, _BLOCK_C), n_layers)
     _output_grouped_kernel[grid](
-        first, offsets, out, rows, channels, first.stride(0), per_program, width,
-        BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, ALIGN=16 // first.element_size(),
+        out if gate is None else gate, first, offsets, out, rows, channels, first.stride(0),
+        per_program, width, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+        ALIGN=16 // first.element_size(), GATED=gate is not None,
     )  # fmt: skip
     return out
 

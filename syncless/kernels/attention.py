@@ -219,15 +219,20 @@ def _qk_block(
 # multiple of 16 the first time one appears, in the middle of training.
 @triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW", "phase", "stride"])
 def _qk_stats_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, out_ptr,
+    gate_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, out_ptr,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, scl, scd,
     H, GROUP, N_ROWS, Q_LEN, K_LEN, N_RB, WINDOW,
     scale2, weight, phase, stride,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ROPE: tl.constexpr,
     COMPUTE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
+    # Off in this replay of a CUDA graph: return before reading (the fold of the same
+    # gate drops the partials). Nested: GATED is a constexpr, the load exists only if on.
+    if GATED:  # noqa: SIM102
+        if tl.load(gate_ptr) == 0.0:
+            return
     # Last row blocks first: under a causal mask they see the most keys, and starting
     # them first leaves the short ones to fill the tail of the launch.
     rb = N_RB - 1 - tl.program_id(0)
@@ -246,7 +251,7 @@ def _qk_stats_kernel(
 
 @triton.jit(do_not_specialize=["N_ROWS", "Q_LEN", "K_LEN", "N_RB", "WINDOW"])
 def _qk_stats_grouped_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, offsets_ptr, out_ptr,
+    gate_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, offsets_ptr, out_ptr,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, scl, scd,
     H, GROUP, N_ROWS, Q_LEN, K_LEN, N_RB, WINDOW, L, OUT_STRIDE,
     scale2,
@@ -254,12 +259,17 @@ def _qk_stats_grouped_kernel(
     COMPUTE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     Q_ALIGN: tl.constexpr, K_ALIGN: tl.constexpr, C_ALIGN: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """Every row (exact mode) of layer ``program_id(2)``: its q at ``offsets[layer]`` and
     its k at ``offsets[L + layer]`` elements from ``q_ptr`` / ``k_ptr`` (and, with
     ``ROPE``, its cos and sin at ``offsets[2L + layer]`` / ``offsets[3L + layer]``); its
     ``2H + 1`` columns at ``layer * (2H + 1)`` of ``out`` ``[B * N_RB, L * (2H + 1)]``."""
+    # Off in this replay of a CUDA graph: return before reading (the fold of the same
+    # gate drops the partials). Nested: GATED is a constexpr, the load exists only if on.
+    if GATED:  # noqa: SIM102
+        if tl.load(gate_ptr) == 0.0:
+            return
     rb = N_RB - 1 - tl.program_id(0)  # the longest first (see _qk_stats_kernel)
     bh = tl.program_id(1)
     layer = tl.program_id(2)
@@ -341,12 +351,15 @@ def qk_stats_partials(
     q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     compute_dtype: torch.dtype | None = None,
     config: QKConfig | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Partials ``[B * ceil(n / BLOCK_M), 2H + 1]`` for query rows ``phase::stride``.
 
     ``q`` ``[B, H, Lq, D]`` (any strides), ``k`` ``[B, Hkv, Lk, D]``, ``H % Hkv == 0``.
     ``q_rope``: ``(cos, sin)`` ``[B or 1, Lq, D]``: ``q`` is not rotated yet (module doc).
     ``compute_dtype``: what q and k are rounded to before the dot (default ``q.dtype``).
+    ``gate``: a float64 device flag; at 0 every program returns at once and the
+    partials are left unwritten (the fold of the same gate skips them).
     """
     b, h, q_len, _ = q.shape
     hkv, k_len = k.shape[1], k.shape[2]
@@ -356,10 +369,10 @@ def qk_stats_partials(
     out = torch.empty((b * n_rb, 2 * h + 1), dtype=torch.float32, device=q.device)
     cos, sin, scb, scl, scd = rope_args
     _qk_stats_kernel[(n_rb, b * h)](
-        q, k, cos, sin, out, *q.stride(), *k.stride(), scb, scl, scd,
-        h, h // hkv, n_rows, q_len, k_len, n_rb, window or 0,
+        out if gate is None else gate, q, k, cos, sin, out, *q.stride(), *k.stride(),
+        scb, scl, scd, h, h // hkv, n_rows, q_len, k_len, n_rb, window or 0,
         float(scale) * _LOG2E, float(weight), phase, stride,
-        CAUSAL=causal, HAS_WINDOW=window is not None, **meta,
+        CAUSAL=causal, HAS_WINDOW=window is not None, GATED=gate is not None, **meta,
     )  # fmt: skip
     return out
 
@@ -377,12 +390,14 @@ def qk_stats_partials_grouped(
     q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     compute_dtype: torch.dtype | None = None,
     config: QKConfig | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Partials ``[B * ceil(Lq / BLOCK_M), L * (2H + 1)]`` of ``L`` layers, every query
     row (exact mode), in one launch: ``q``/``k`` (and ``q_rope``'s cos/sin) are layer
     0's, layer ``l``'s sit at ``offsets[l]`` / ``offsets[L + l]`` (cos and sin at
     ``offsets[2L + l]`` / ``offsets[3L + l]``) elements from them with the same shapes,
-    dtypes and strides; every offset a multiple of 16 bytes (``LayerBatch`` checks)."""
+    dtypes and strides; every offset a multiple of 16 bytes (``LayerBatch`` checks).
+    ``gate``: as in :func:`qk_stats_partials`."""
     b, h, q_len, _ = q.shape
     hkv, k_len = k.shape[1], k.shape[2]
     rope_args, meta = _launch_args(q, q_rope, compute_dtype, config)
@@ -391,10 +406,10 @@ def qk_stats_partials_grouped(
     out = torch.empty((b * n_rb, n_layers * width), dtype=torch.float32, device=q.device)
     cos, sin, scb, scl, scd = rope_args
     _qk_stats_grouped_kernel[(n_rb, b * h, n_layers)](
-        q, k, cos, sin, offsets, out, *q.stride(), *k.stride(), scb, scl, scd,
-        h, h // hkv, q_len, q_len, k_len, n_rb, window or 0, n_layers, n_layers * width,
-        float(scale) * _LOG2E,
-        CAUSAL=causal, HAS_WINDOW=window is not None, **meta,
+        out if gate is None else gate, q, k, cos, sin, offsets, out, *q.stride(), *k.stride(),
+        scb, scl, scd, h, h // hkv, q_len, q_len, k_len, n_rb, window or 0, n_layers,
+        n_layers * width, float(scale) * _LOG2E,
+        CAUSAL=causal, HAS_WINDOW=window is not None, GATED=gate is not None, **meta,
         Q_ALIGN=16 // q.element_size(), K_ALIGN=16 // k.element_size(),
         C_ALIGN=16 // cos.element_size(),
     )  # fmt: skip

@@ -42,10 +42,16 @@ def _block(tensor_of_ptr, start_ptr, sizes_ptr, offsets_ptr, pid, i, BLOCK: tl.c
 
 @triton.jit
 def _param_grad_kernel(
-    p_ptr, p_offsets_ptr, g_ptr, g_offsets_ptr, sizes_ptr, tensor_of_ptr, start_ptr,
+    gate_ptr, p_ptr, p_offsets_ptr, g_ptr, g_offsets_ptr, sizes_ptr, tensor_of_ptr, start_ptr,
     group_of_ptr, prefix_ptr, snap_ptr, out_ptr, n_groups,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, GRADS: tl.constexpr, SNAPSHOT: tl.constexpr,
+    GATED: tl.constexpr,
 ):  # fmt: skip
+    # Off in this replay of a CUDA graph: return before reading (the fold of the same
+    # gate drops the partials). Nested: GATED is a constexpr, the load exists only if on.
+    if GATED:  # noqa: SIM102
+        if tl.load(gate_ptr) == 0.0:
+            return
     pid = tl.program_id(0)
     acc_p = tl.zeros([BLOCK], dtype=tl.float32)
     acc_g = tl.zeros([BLOCK], dtype=tl.float32)
@@ -69,9 +75,15 @@ def _param_grad_kernel(
 
 @triton.jit
 def _diff_sumsq_kernel(
-    x_ptr, offsets_ptr, sizes_ptr, tensor_of_ptr, start_ptr, group_of_ptr, prefix_ptr,
-    snap_ptr, out_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    gate_ptr, x_ptr, offsets_ptr, sizes_ptr, tensor_of_ptr, start_ptr, group_of_ptr,
+    prefix_ptr, snap_ptr, out_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    GATED: tl.constexpr,
 ):  # fmt: skip
+    # Off in this replay of a CUDA graph: return before reading (the fold of the same
+    # gate drops the partials). Nested: GATED is a constexpr, the load exists only if on.
+    if GATED:  # noqa: SIM102
+        if tl.load(gate_ptr) == 0.0:
+            return
     pid = tl.program_id(0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     t = tl.load(tensor_of_ptr + pid)
@@ -150,6 +162,7 @@ def group_param_grad_sumsq(
     first_grad: torch.Tensor | None = None,
     grad_offsets: torch.Tensor | None = None,
     snap: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[2, n_groups]`` float64: per group, the sum of squares of its parameters (row 0)
     and of their gradients (row 1), from one launch that reads each parameter and its
@@ -165,6 +178,8 @@ def group_param_grad_sumsq(
         grad_offsets: the gradients' element offsets from ``first_grad``.
         snap: ``table.total`` elements of the parameters' dtype; when given, the same
             pass copies the parameters into it, one after another.
+        gate: a float64 device flag; at 0 the kernel returns at once (the sums stay
+            zero, the snapshot unwritten).
     """
     grads = first_grad is not None and grad_offsets is not None
     # A pointer the kernel skips (its flag off) still needs a tensor: the parameters'.
@@ -172,21 +187,28 @@ def group_param_grad_sumsq(
         first_grad, grad_offsets = first_param, param_offsets
     out = torch.zeros(2 * table.n_groups, dtype=torch.float64, device=first_param.device)
     _param_grad_kernel[(table.tensor_of.numel(),)](
-        first_param, param_offsets, first_grad, grad_offsets, table.sizes, table.tensor_of,
+        out if gate is None else gate, first_param, param_offsets, first_grad, grad_offsets, table.sizes, table.tensor_of,
         table.start, table.group_of, table.prefix, first_param if snap is None else snap,
         out, table.n_groups, CHUNK=CHUNK, BLOCK=_BLOCK, GRADS=grads, SNAPSHOT=snap is not None,
+        GATED=gate is not None,
     )  # fmt: skip
     return out.view(2, table.n_groups)
 
 
 @hot_path
 def group_diff_sumsq(
-    first: torch.Tensor, offsets: torch.Tensor, table: BlockTable, snap: torch.Tensor
+    first: torch.Tensor,
+    offsets: torch.Tensor,
+    table: BlockTable,
+    snap: torch.Tensor,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[n_groups]`` float64: per group, the sum of squares of (tensor - snapshot)."""
+    """``[n_groups]`` float64: per group, the sum of squares of (tensor - snapshot)
+    (``gate``: as in :func:`group_param_grad_sumsq`)."""
     out = torch.zeros(table.n_groups, dtype=torch.float64, device=first.device)
     _diff_sumsq_kernel[(table.tensor_of.numel(),)](
-        first, offsets, table.sizes, table.tensor_of, table.start, table.group_of,
-        table.prefix, snap, out, CHUNK=CHUNK, BLOCK=_BLOCK,
+        out if gate is None else gate, first, offsets, table.sizes, table.tensor_of,
+        table.start, table.group_of, table.prefix, snap, out, CHUNK=CHUNK, BLOCK=_BLOCK,
+        GATED=gate is not None,
     )  # fmt: skip
     return out

@@ -44,14 +44,19 @@ def rounded(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
 @triton.jit
 def _rotate_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr,
+    gate_ptr, x_ptr, cos_ptr, sin_ptr, out_ptr,
     sxb, sxh, sxl, sxd, scb, scl, scd, H, LEN,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """``BLOCK_L`` positions of sequence ``program_id(1)``, every head: cos and sin are
     read once for all heads (one launch per head re-read them ``H`` times, more bytes
     than k itself), and each half of a row once (``rotate_half`` pairs them)."""
+    # Off in this replay of a CUDA graph: return before reading (the fold of the same
+    # gate drops the partials). Nested: GATED is a constexpr, the load exists only if on.
+    if GATED:  # noqa: SIM102
+        if tl.load(gate_ptr) == 0.0:
+            return
     b = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
     half: tl.constexpr = HEAD_DIM // 2
@@ -86,16 +91,23 @@ def cos_strides(cos: torch.Tensor) -> tuple[int, int, int]:
 
 @hot_path
 def rotate(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out_dtype: torch.dtype,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` ``[B, H, L, D]`` (any strides) rotated by ``cos``/``sin`` ``[B or 1, L, D]``,
-    as a new contiguous ``[B, H, L, D]`` tensor of ``out_dtype``."""
+    as a new contiguous ``[B, H, L, D]`` tensor of ``out_dtype``. ``gate``: a float64
+    device flag; at 0 the kernel returns at once and ``out`` is left unwritten (the
+    statistics kernel reading it is off with the same gate)."""
     b, h, length, head_dim = x.shape
     if head_dim % 2:
         raise ValueError(f"rotate: rotate_half needs an even head_dim, got {head_dim}")
     out = torch.empty((b, h, length, head_dim), dtype=out_dtype, device=x.device)
     _rotate_kernel[(triton.cdiv(length, _BLOCK_L), b)](
-        x, cos, sin, out, *x.stride(), *cos_strides(cos), h, length,
+        out if gate is None else gate, x, cos, sin, out, *x.stride(), *cos_strides(cos),
+        h, length, GATED=gate is not None,
         HEAD_DIM=head_dim, BLOCK_L=_BLOCK_L,
         BLOCK_HALF=max(16, triton.next_power_of_2(head_dim // 2)),
         EMULATE_BF16=interpreting() and out_dtype == torch.bfloat16, num_warps=_WARPS,

@@ -60,9 +60,15 @@ def _router_block(
 
 @triton.jit(do_not_specialize=["T"])  # the token count varies with the batch
 def _router_kernel(
-    x_ptr, out_ptr, T, E, sxt, sxe,
+    gate_ptr, x_ptr, out_ptr, T, E, sxt, sxe,
     TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    GATED: tl.constexpr,
 ):  # fmt: skip
+    # Off in this replay of a CUDA graph: return before reading (the fold of the same
+    # gate drops the partials). Nested: GATED is a constexpr, the load exists only if on.
+    if GATED:  # noqa: SIM102
+        if tl.load(gate_ptr) == 0.0:
+            return
     pid = tl.program_id(0)
     counts, zsum, msum = _router_block(x_ptr, pid, T, E, sxt, sxe, TOP_K, SOFTMAX, BLOCK_T, BLOCK_E)
     e = tl.arange(0, BLOCK_E)
@@ -74,11 +80,17 @@ def _router_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _router_grouped_kernel(
-    x_ptr, offsets_ptr, out_ptr, T, E, sxt, sxe, OUT_STRIDE,
+    gate_ptr, x_ptr, offsets_ptr, out_ptr, T, E, sxt, sxe, OUT_STRIDE,
     TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ALIGN: tl.constexpr,
+    GATED: tl.constexpr,
 ):  # fmt: skip
     """Layer ``program_id(1)`` reads ``x_ptr + offsets[layer]`` and writes its ``E + 2``
     columns at ``layer * (E + 2)`` of ``out`` ``[P, L * (E + 2)]``."""
+    # Off in this replay of a CUDA graph: return before reading (the fold of the same
+    # gate drops the partials). Nested: GATED is a constexpr, the load exists only if on.
+    if GATED:  # noqa: SIM102
+        if tl.load(gate_ptr) == 0.0:
+            return
     pid = tl.program_id(0)
     layer = tl.program_id(1)
     base = x_ptr + tl.multiple_of(tl.load(offsets_ptr + layer), ALIGN)  # see attention
@@ -91,22 +103,30 @@ def _router_grouped_kernel(
 
 
 @hot_path
-def router_partials(logits: torch.Tensor, top_k: int, softmax: bool) -> torch.Tensor:
-    """Partials ``[ceil(T / 64), E + 2]`` of router logits ``[T, E]``."""
+def router_partials(
+    logits: torch.Tensor, top_k: int, softmax: bool, gate: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Partials ``[ceil(T / 64), E + 2]`` of router logits ``[T, E]``. ``gate``: a
+    float64 device flag; at 0 the kernel returns at once, the partials unwritten."""
     n_tokens, n_experts = logits.shape
     n_blocks = triton.cdiv(n_tokens, _BLOCK_T)
     out = torch.empty((n_blocks, n_experts + 2), dtype=torch.float32, device=logits.device)
     _router_kernel[(n_blocks,)](
-        logits, out, n_tokens, n_experts, *logits.stride(),
+        out if gate is None else gate, logits, out, n_tokens, n_experts, *logits.stride(),
         TOP_K=top_k, SOFTMAX=softmax, BLOCK_T=_BLOCK_T,
-        BLOCK_E=max(2, triton.next_power_of_2(n_experts)),
+        BLOCK_E=max(2, triton.next_power_of_2(n_experts)), GATED=gate is not None,
     )  # fmt: skip
     return out
 
 
 @hot_path
 def router_partials_grouped(
-    first: torch.Tensor, offsets: torch.Tensor, n_layers: int, top_k: int, softmax: bool
+    first: torch.Tensor,
+    offsets: torch.Tensor,
+    n_layers: int,
+    top_k: int,
+    softmax: bool,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Partials ``[ceil(T / 64), L * (E + 2)]`` of ``L`` layers' router logits ``[T, E]``
     in one launch (layer ``l`` at ``offsets[l]`` elements from ``first``, same shape,
@@ -116,8 +136,9 @@ def router_partials_grouped(
     width = n_experts + 2
     out = torch.empty((n_blocks, n_layers * width), dtype=torch.float32, device=first.device)
     _router_grouped_kernel[(n_blocks, n_layers)](
-        first, offsets, out, n_tokens, n_experts, *first.stride(), n_layers * width,
-        TOP_K=top_k, SOFTMAX=softmax, BLOCK_T=_BLOCK_T,
+        out if gate is None else gate, first, offsets, out, n_tokens, n_experts,
+        *first.stride(), n_layers * width, TOP_K=top_k, SOFTMAX=softmax, BLOCK_T=_BLOCK_T,
         BLOCK_E=max(2, triton.next_power_of_2(n_experts)), ALIGN=16 // first.element_size(),
+        GATED=gate is not None,
     )  # fmt: skip
     return out

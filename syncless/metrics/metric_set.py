@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +52,12 @@ class MetricSet:
     agrees on it across ranks, materialises the buffer) -> hooks record through the
     returned ``Slot`` objects -> ``flush(step)`` once per step on the cold path.
 
+    Every slot records through a *gate*, a device flag of its own group of metrics (a
+    monitor's: ``with metrics.gated("attention"): declare(...)``). ``set_gates`` turns
+    groups on and off with a device write outside the step: that is how a cadence
+    works inside a CUDA graph, whose replays re-run the hooks' kernels whatever the
+    host decided at capture (docs/cuda_graphs.md).
+
     The buffer is float64: ``[sums | counts | maxima (minima negated)]``. A flush is
     exactly one SUM and one MAX all_reduce over the two regions (when
     torch.distributed is initialised and the group has more than one rank), one
@@ -72,6 +79,11 @@ class MetricSet:
         self.flushes = 0
         self.d2h_copies = 0
         self.collectives = 0
+        # Gates: a device flag per group of metrics (index 0, "", is the default group).
+        self._declaring_gate = ""
+        self._gate_of: dict[str, str] = {}  # key -> gate name, for this rank's declares
+        self.gate_names: list[str] = [""]
+        self._gate_state: list[bool] = []  # the host's copy of what the device holds
         # Called at the start of every flush, on its thread: recorders that batch
         # their device work up to the flush (syncless.monitors.layer_batch) finish it.
         self.before_flush: list[Callable[[], None]] = []
@@ -88,9 +100,13 @@ class MetricSet:
         element: str = "i",
         emit_elements: bool = True,
         derive_global: bool = True,
+        gate: str | None = None,
     ) -> Slot:
         """Declare a metric and return its slot. Declaring the same key twice with the
-        same definition returns the same slot; a different definition raises."""
+        same definition returns the same slot; a different definition raises.
+
+        ``gate``: the group whose device flag gates its records (default: the one of the
+        enclosing ``gated`` block, else the default group)."""
         spec = MetricSpec(area, name, agg, size, layer, element, emit_elements, derive_global)
         if self._locked:
             raise RuntimeError(
@@ -105,7 +121,20 @@ class MetricSet:
                 )
             return existing
         slot = self._slots[spec.key] = Slot(spec)
+        gate = self._declaring_gate if gate is None else gate
+        self._gate_of[spec.key] = gate
+        if gate not in self.gate_names:
+            self.gate_names.append(gate)
         return slot
+
+    @contextmanager
+    def gated(self, gate: str) -> Iterator[None]:
+        """Metrics declared inside record through the device flag ``gate``."""
+        before, self._declaring_gate = self._declaring_gate, gate
+        try:
+            yield
+        finally:
+            self._declaring_gate = before
 
     def slot(self, key: str) -> Slot:
         """The slot of a declared metric (for setup code; hooks should keep slots)."""
@@ -173,14 +202,28 @@ class MetricSet:
         self._layout = Layout(self._specs, self._offsets, n_sum, max_len)
         self.buffer = torch.zeros(sum_len + max_len, dtype=torch.float64, device=device)
         self._reset()
-        self.gate = torch.ones((), dtype=torch.float64, device=device)
-        self.gate_on = torch.ones((), dtype=torch.bool, device=device)
+        # One float64 flag (multiplies sums and counts) and one bool flag (selects
+        # maxima) per gate, all on at first.
+        self.gates = torch.ones(len(self.gate_names), dtype=torch.float64, device=device)
+        self.gates_on = torch.ones(len(self.gate_names), dtype=torch.bool, device=device)
+        self._gate_state = [True] * len(self.gate_names)
+        # Views made once: a view per write would be a torch call of host time each.
+        self._gate_views = [(self.gates[i], self.gates_on[i]) for i in range(len(self.gate_names))]
+        self.gate, self.gate_on = self._gate_views[0]  # the default group's
         # The label of the step being recorded, for "first step" metrics (a NaN's step
         # stays on the device until the flush): set_step_label writes it.
         self.step_label = torch.zeros((), dtype=torch.float64, device=device)
+        if device.type == "cuda":
+            # torch.compile(mode="reduce-overhead") captures compiled regions in CUDA
+            # graphs and skips any that writes a tensor it does not know to stay put.
+            from torch._dynamo import mark_static_address
+
+            for t in (self.buffer, self.gates, self.gates_on, self.step_label):
+                mark_static_address(t)
         neg_inf = torch.full((), -torch.inf, dtype=torch.float64, device=device)
         for spec, offsets in zip(self._specs, self._offsets, strict=True):
-            self._slots[spec.key].bind(self.buffer, offsets, self.gate, self.gate_on, neg_inf)
+            gate, gate_on = self.gate_views(self._gate_of.get(spec.key, ""))
+            self._slots[spec.key].bind(self.buffer, offsets, gate, gate_on, neg_inf)
         pin = device.type == "cuda"
         self._host = [
             torch.empty(self.buffer.numel(), dtype=torch.float64, pin_memory=pin)
@@ -204,9 +247,48 @@ class MetricSet:
         self.step_label.fill_(float(label))
 
     def set_enabled(self, enabled: bool) -> None:
-        """Turn recording on or off on the device (no retrace, no graph re-capture)."""
-        self.gate.fill_(1.0 if enabled else 0.0)
-        self.gate_on.fill_(enabled)
+        """Turn every gate on or off on the device (no retrace, no graph re-capture)."""
+        self.gates.fill_(1.0 if enabled else 0.0)
+        self.gates_on.fill_(enabled)
+        self._gate_state = [enabled] * len(self.gate_names)
+
+    def gate_index(self, gate: str) -> int:
+        """The position of ``gate``'s flag in ``gates`` (``SlotGroup``'s fold reads it)."""
+        try:
+            return self.gate_names.index(gate)
+        except ValueError:
+            raise KeyError(
+                f"no metric was declared under gate {gate!r}; gates: {self.gate_names}"
+            ) from None
+
+    def gate_of(self, key: str) -> str:
+        """The gate a metric was declared under (the default one for other ranks' keys)."""
+        return self._gate_of.get(key, "")
+
+    def gate_views(self, gate: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gate``'s float64 and bool device flags (0-d views, fixed at allocate)."""
+        if self.buffer is None:
+            raise RuntimeError(f"gate_views({gate!r}) before allocate()")
+        return self._gate_views[self.gate_index(gate)]
+
+    def set_gates(self, states: Mapping[str, bool]) -> None:
+        """Turn gates on or off: two fill launches per gate that changed, none for the
+        others (the host keeps what it wrote). Stream-ordered: the next step's kernels,
+        replayed from a graph or not, read the new values."""
+        names = self.gate_names
+        for gate, on in states.items():
+            if gate not in names:  # a group that declared no metric records nothing
+                continue
+            i = names.index(gate)
+            if self._gate_state[i] != on:
+                self._gate_state[i] = on
+                flag, flag_on = self._gate_views[i]
+                flag.fill_(1.0 if on else 0.0)
+                flag_on.fill_(on)
+
+    def gate_state(self, gate: str) -> bool:
+        """What the host last wrote into ``gate`` (no device read)."""
+        return self._gate_state[self.gate_index(gate)]
 
     # -- flush ---------------------------------------------------------------------
 

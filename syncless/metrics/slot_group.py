@@ -43,19 +43,31 @@ class Column:
 
 
 class SlotGroup:
-    """Buffer targets of a module's columns, as a ``[3, N]`` device table built once."""
+    """Buffer targets of a module's columns, as a ``[5, N]`` device table built once:
+    sum, count, max and first-step targets, and the gate each column records through.
+
+    ``kernel_gate``: the one gate every column records through, as a device flag a
+    partials kernel may read to skip its work when the fold would drop it (inside a
+    CUDA graph, where the host cannot skip the launch); ``None`` when the columns'
+    gates differ (that kernel always runs, and the fold gates each column).
+    """
 
     def __init__(self, metrics: MetricSet, columns: list[Column]) -> None:
         if metrics.buffer is None:
             raise RuntimeError("SlotGroup needs an allocated MetricSet: allocate() first")
         self.metrics = metrics
         self.buffer = metrics.buffer
-        self.gate = metrics.gate
+        self.gates = metrics.gates
         self.step = metrics.step_label
+        names = {metrics.gate_of(c.slot.spec.key) for c in columns if c.slot is not None}
+        shared = next(iter(names)) if len(names) == 1 else None
+        self.kernel_gate = None if shared is None else metrics.gate_views(shared)[0]
+        skipped = metrics.gate_index(shared or "")  # the gate of columns the fold skips
         sums: list[int] = []
         counts: list[int] = []
         maxima: list[int] = []
         firsts: list[int] = []
+        gates: list[int] = []
         for col in columns:
             if col.slot is None:
                 if col.width is None:
@@ -64,6 +76,7 @@ class SlotGroup:
                 counts += [-1] * col.width
                 maxima += [-1] * col.width
                 firsts += [-1] * col.width
+                gates += [skipped] * col.width
                 continue
             spec = col.slot.spec
             width = spec.size - col.start if col.width is None else col.width
@@ -72,6 +85,7 @@ class SlotGroup:
                     f"column [{col.start}, {col.start + width}) is outside metric "
                     f"{spec.key!r} of size {spec.size}"
                 )
+            gates += [metrics.gate_index(metrics.gate_of(spec.key))] * width
             s, c, m = _offsets(col.slot)
             if spec.agg == "min":
                 raise ValueError(f"metric {spec.key!r}: min metrics are not foldable")
@@ -98,7 +112,7 @@ class SlotGroup:
         if len(set(taken)) != len(taken):
             raise ValueError("columns share a first-step target: each needs its own")
         self.width = len(sums)
-        self.table = torch.tensor([sums, counts, maxima, firsts], dtype=torch.int64).to(
+        self.table = torch.tensor([sums, counts, maxima, firsts, gates], dtype=torch.int64).to(
             self.buffer.device
         )
 
@@ -107,7 +121,7 @@ class SlotGroup:
         """Fold ``partials`` ``[P, width]`` into the slots; counts advance by ``n_samples``."""
         from syncless.kernels.fold import fold
 
-        fold(partials, self.table, self.buffer, self.gate, self.step, n_samples)
+        fold(partials, self.table, self.buffer, self.gates, self.step, n_samples)
 
 
 def _first_targets(col: Column, width: int) -> list[int]:
