@@ -21,6 +21,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from syncless import kernels
+from syncless.graphs import capturing
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot
 from syncless.metrics.slot_group import Column, SlotGroup
@@ -108,7 +109,9 @@ class ActivationsMonitor:
                 SlotGroup(ctx.metrics, [Column(self._slots[i]) for i in self._layers]),
                 view=lambda x: (kernels.rows_view(x),),
                 grouped=kernels.channel_absmax_partials_grouped,
-                single=lambda layer, x: groups[layer].fold(kernels.channel_absmax_partials(x), 1),
+                single=lambda layer, x: groups[layer].fold(
+                    kernels.channel_absmax_partials(x, groups[layer].kernel_gate), 1
+                ),
                 device=ctx.metrics.buffer.device,  # type: ignore[union-attr]
             )
             ctx.batches.append(self._batch)
@@ -117,17 +120,19 @@ class ActivationsMonitor:
         @hot_path
         def record(hidden: torch.Tensor) -> bool | None:
             """True when the output was read for the partner monitor too."""
-            if not self.active:
+            if not self.active and not capturing(hidden.is_cuda):
                 return None
             if kernels.use_triton(hidden):
                 if self._batch is not None:  # the site's hook detached ``hidden``
                     shared = self._shared
-                    if shared is not None and self._partner.watching:
+                    partner = self._partner
+                    if shared is not None and (partner.watching or capturing(hidden.is_cuda)):
                         shared.add(layer, hidden)  # read once for both monitors
                         return True
                     self._batch.add(layer, hidden)
                     return None
-                groups[layer].fold(kernels.channel_absmax_partials(hidden.detach()), 1)
+                group = groups[layer]
+                group.fold(kernels.channel_absmax_partials(hidden.detach(), group.kernel_gate), 1)
                 return None
             dims = tuple(range(hidden.dim() - 1))
             slot.update(torch.linalg.vector_norm(hidden.detach(), ord=float("inf"), dim=dims))

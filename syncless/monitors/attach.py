@@ -117,7 +117,8 @@ def attach(
             budget, {m.name: m.every for m in monitors}, device, group, always_on=always_on
         )
     for m in monitors:
-        m.prepare(ctx)
+        with ctx.metrics.gated(m.name):  # its records follow its cadence on the device too
+            m.prepare(ctx)
     ctx.metrics.allocate(device)
     owners: dict[int, str] = {}
     for m in monitors:

@@ -28,6 +28,7 @@ import torch
 
 from syncless import kernels
 from syncless.errors import UsageError
+from syncless.graphs import capturing
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot
 from syncless.metrics.slot_group import Column, SlotGroup
@@ -143,12 +144,15 @@ class AttentionMonitor:
             batch, _, q_len, _ = q.shape
             return row_stride(batch, n_heads, q_len, k.shape[2], self.fused_max_elements) == 1
 
-        def grouped(q: torch.Tensor, k: torch.Tensor, *rest: torch.Tensor | int):
+        def grouped(
+            q: torch.Tensor, k: torch.Tensor, *rest: torch.Tensor | int, gate: torch.Tensor | None
+        ):
             # (q, k, offsets, n) or, for unrotated q, (q, k, cos, sin, offsets, n)
             *rope, offsets, n = rest
             return kernels.qk_stats_partials_grouped(
                 q, k, offsets, n, scale, causal, window,  # type: ignore[arg-type]
                 q_rope=tuple(rope) or None, compute_dtype=first.compute,  # type: ignore[arg-type]
+                gate=gate,
             )  # fmt: skip
 
         n_layers = len(recorders)
@@ -291,7 +295,7 @@ class _LayerRecorder:
 
     @hot_path
     def record(self, q: torch.Tensor, k: torch.Tensor, rotary: Rotary | None = None) -> None:
-        if not self.monitor.active:
+        if not self.monitor.active and not capturing(q.is_cuda):
             return
         self.compute = _compute_dtype(q)
         batch_of_layers = self.monitor._batch
@@ -349,7 +353,9 @@ class _LayerRecorder:
         if rotary is None:
             return q, k
         cos, sin = rotary.cos, rotary.sin
-        return q, kernels.rope_rotate(k, cos, sin, self.compute), cos, sin
+        assert self.group is not None, "attach() builds the fold group"
+        k = kernels.rope_rotate(k, cos, sin, self.compute, self.group.kernel_gate)
+        return q, k, cos, sin
 
     @hot_path
     def record_fused(self, q: torch.Tensor, k: torch.Tensor, *rope: torch.Tensor) -> None:
@@ -359,11 +365,12 @@ class _LayerRecorder:
         budget = self.monitor.fused_max_elements
         stride = row_stride(batch, self.n_heads, q_len, k.shape[2], budget)
         phase = self._next_phase(stride)
+        assert self.group is not None, "attach() builds the fold group"
         partials = kernels.qk_stats_partials(
             q, k, self.scale, self.causal, self.window, phase, stride, stride,
             q_rope=tuple(rope) or None, compute_dtype=self.compute,  # type: ignore[arg-type]
+            gate=self.group.kernel_gate,
         )  # fmt: skip
-        assert self.group is not None, "attach() builds the fold group"
         self.group.fold(partials, batch * q_len)
 
     @hot_path

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from syncless.graphs import capturing
 from syncless.metrics import MetricSet, Readout
 from syncless.monitors.adapters import LayerSite, ModelMap
 from syncless.monitors.budget import Budget
@@ -74,6 +75,9 @@ class MonitorContext:
     recompute_skips: dict[str, int] = field(default_factory=dict)
     # A hook was traced by torch.compile (the budget then aligns cadences).
     compiled: bool = False
+    # A hook ran inside a CUDA graph capture: its replays run no Python, so the
+    # cadences work through the gates, and the budget measures from step times.
+    graphed: bool = False
     # Exceptions caught in hooks (and, through the handle, in step, readout and close).
     failures: Failures = field(default_factory=Failures)
 
@@ -94,6 +98,7 @@ class MonitorContext:
         clock = time.perf_counter_ns
         ctx = self
         place = f"{monitor}_hook"
+        cuda = self.metrics.buffer is not None and self.metrics.buffer.is_cuda
 
         def billed(*args: Any, **kwargs: Any) -> Any:
             if torch.compiler.is_compiling():
@@ -104,6 +109,8 @@ class MonitorContext:
             if recomputing():
                 skips[monitor] += 1
                 return None
+            if capturing(cuda):
+                ctx.graphed = True
             start = clock()
             budget = ctx.budget
             try:
@@ -140,7 +147,11 @@ class MonitorContext:
 class Monitor(Protocol):
     """``active`` is the host-side cadence switch the handle sets before each step
     (``step % every == 0``): a hook returns at once when it is False, so an off-step
-    costs one Python attribute read per hook and no kernel."""
+    costs one Python attribute read per hook and no kernel. Inside a CUDA graph capture
+    (``syncless.graphs.capturing()``) a hook records whatever ``active`` says: every
+    replay re-runs what was captured, and the device flag of the monitor's metrics (the
+    gate named after it, which the handle sets from ``active``) decides at each replay.
+    Metrics a monitor declares in ``prepare`` are gated by its name."""
 
     name: str
     every: int  # record every N steps (1 = every step)

@@ -20,8 +20,10 @@ that the stack stays under ``budget`` (a fraction of the step, default 1%):
   measured: it compiles its kernels (2 s of host on the H200, which once set attention
   to every 1000 steps, where a smoothed mean would have kept it for thousands more).
 * **compiled hooks** (torch.compile traced them: no clock, no event, nothing on the
-  ledger): from step times, against steps that run none of them
-  (syncless.monitors.budget_compiled).
+  ledger) and **hooks replayed from a CUDA graph** (no Python runs in a replay): from
+  step times, against steps that run none of them (syncless.monitors.budget_compiled).
+  An always-on monitor inside a graph has no such step: it is reported "not measured"
+  (docs/cuda_graphs.md gives its measured cost).
 * **always-on monitors** (the nonfinite alarm): their hooks run at every step, so
   their cost per step (host per step, or device on timed steps, the larger) is a
   fixed share taken off the budget before the others share it out, and only their
@@ -282,6 +284,10 @@ class Budget:
             self._pending.popleft()
             if ready:
                 for m, ps in spans.items():
+                    if not ps and not host[m]:
+                        # No hook ran on the host: replayed from a CUDA graph (an
+                        # always-on monitor there has no step without it to compare).
+                        continue
                     device = sum(w * (a.elapsed_time(b) - self.pair_ms) for a, b, w in ps)
                     self.device_ms[m] = max(0.0, device)
                     self._cost(m, max(host[m], self.device_ms[m]))

@@ -14,10 +14,12 @@ import torch
 import torch.distributed as dist
 
 from syncless.errors import UsageError
+from syncless.graphs import capturing
 from syncless.metrics import Landed, Readout
 from syncless.monitors.alarm import Action, NonFiniteAlarm
 from syncless.monitors.base import AREA, Monitor, MonitorContext
 from syncless.monitors.nonfinite import CHECKED_VALUES, NonFiniteMonitor
+from syncless.monitors.silence import SilentMonitors
 from syncless.run import Run, StepRecord, check_metric_name
 from syncless.run.records import StepRecords
 
@@ -26,6 +28,10 @@ READOUT_WAIT_S = 2.0
 #: Step labels kept where the device's guess (the previous label + 1) was not the one
 #: ``step`` got (a resumed run's first step, steps numbered in strides).
 RELABELS_KEPT = 64
+#: What closed handles whose hooks a CUDA graph captured leave behind: a graph that is
+#: still replayed reads their tables and writes their buffer (with every gate off, its
+#: kernels return early), so that memory must never be freed and reused.
+_KEPT_FOR_GRAPHS: list[object] = []
 
 
 class MonitorHandle:
@@ -53,6 +59,10 @@ class MonitorHandle:
 
     The nonfinite monitor's alarm (syncless.monitors.alarm) is checked on every flushed
     copy as it lands, on this thread, and acted on from ``step`` (``on_nonfinite``).
+
+    Inside CUDA graphs: each monitor's cadence is also written to its gate on the device
+    (``MetricSet.set_gates``, only when it changes), which the replayed hooks' kernels
+    read; ``step`` itself must run outside the captured region (docs/cuda_graphs.md).
     """
 
     def __init__(
@@ -107,6 +117,10 @@ class MonitorHandle:
         self._steps_since_flush = 0
         self._next_label = 0  # the label the device holds for the step in progress
         self._relabels: dict[float, int] = {}
+        self._cuda = ctx.metrics.buffer is not None and ctx.metrics.buffer.is_cuda
+        # Monitors active at each flushed step, for the silent-monitor check at readout.
+        self._active_at: dict[int, list[str]] = {}
+        self.silent = SilentMonitors(ctx.metrics, [m.name for m in self.monitors], emit)
         ranks = (
             dist.get_world_size(ctx.metrics.group)
             if dist.is_available() and dist.is_initialized()
@@ -133,12 +147,14 @@ class MonitorHandle:
         """Measure nothing until :meth:`resume` (evaluation, a phase not worth watching):
         every hook returns after one flag read and ``step`` flushes nothing. Call it
         after a step's ``step()``. The budget keeps what it learnt, so the cadences in
-        force at ``resume`` are the ones a run that never paused would have."""
+        force at ``resume`` are the ones a run that never paused would have. Inside a
+        CUDA graph every gate is off: the replayed kernels return at once."""
         self.paused = True
         for m in self.monitors:
             m.active = False
         for m in self.always_on:
             m.watching = False  # type: ignore[attr-defined]
+        self._write_gates()
         if self.budget is not None:
             self.budget.pause()
 
@@ -153,14 +169,25 @@ class MonitorHandle:
     def _set_cadence(self, step: int) -> None:
         budget = self.budget
         if budget is not None:
-            budget.aligned = self.ctx.compiled
+            # Hooks traced by torch.compile or replayed from a CUDA graph run no Python:
+            # their cost comes from step times, over aligned cadences.
+            budget.aligned = self.ctx.compiled or self.ctx.graphed
             budget.agree(step)
         for m in self.monitors:
             if budget is not None:
                 m.every = budget.cadence[m.name]
             m.active = step % m.every == 0
+        self._write_gates()
         if budget is not None:
             budget.arm(m.name for m in self.monitors if m.active)
+
+    def _write_gates(self) -> None:
+        """Each monitor's device gate as its hooks see it on the host: ``active``, and
+        for an always-on monitor ``watching`` (a write only where one changed)."""
+        self.metrics.set_gates(
+            {m.name: getattr(m, "watching", True) if m in self.always_on else m.active
+             for m in self.monitors}
+        )  # fmt: skip
 
     def step(
         self,
@@ -187,8 +214,15 @@ class MonitorHandle:
 
         Raises :class:`~syncless.monitors.NonFiniteError` under
         ``on_nonfinite="raise"`` when a readout landed since the last call found a NaN
-        or Inf, after its records reached the run.
+        or Inf, after its records reached the run. Raises ``UsageError`` inside a CUDA
+        graph capture: call it after the replay, outside the captured region.
         """
+        if capturing(self._cuda):
+            raise UsageError(
+                "handle.step() inside a CUDA graph capture: a replay would run its copy "
+                "and collectives without the host that reads them. Capture the forward and "
+                "backward only, and call handle.step() after graph.replay(), each step"
+            )
         values = self._checked_values(loss, grad_norm)
         try:
             records = self._step(step, wait, accumulate, values)
@@ -222,6 +256,9 @@ class MonitorHandle:
         any_active = bool(active)
         if any_active:
             self._take_hook_time(step)
+            self._active_at[step] = active
+            while len(self._active_at) > 16:  # a flush whose readout never came
+                self._active_at.pop(next(iter(self._active_at)))
         hooks = self._hook_ns.get(step)  # the records' copy may be taken before the end
         wait = not self.lagged if wait is None else wait
         steps = self._steps_since_flush
@@ -232,8 +269,9 @@ class MonitorHandle:
         else:
             # Jobs submitted a step ago and still waiting: no backward came; go now.
             # Otherwise a signal from this step's backward is stale: the new job waits
-            # for the next one.
-            if self._inflight:
+            # for the next one. A replayed graph sends none (its hooks run no Python):
+            # go at once, the host is free while the device runs the replay.
+            if self._inflight or self.ctx.graphed:
                 self._go.set()
             else:
                 self._go.clear()
@@ -291,6 +329,10 @@ class MonitorHandle:
         the training thread, before any decode."""
         landed = self.metrics.flush_landed(step, wait=wait, copy=copy)
         self._steps_since_flush = 0
+        for batch in self.ctx.batches:
+            error = batch.take_error()
+            if error is not None:
+                self.failures.failed("graph_capture", error)
         if self.alarm is not None:
             for x in landed:
                 self.alarm.landed(x)
@@ -415,6 +457,9 @@ class MonitorHandle:
         now = time.time()
         self._relabel(r)
         records.extend(r.records(name, rank, now))
+        active = self._active_at.pop(r.step, None)
+        if active is not None:
+            self.silent.check(r, active)
         for m in self.monitors:
             derived = self._derive(m, r)
             unchecked = derived.keys() - self._checked_names
@@ -426,6 +471,7 @@ class MonitorHandle:
         # readout thread, of that thread's work on this readout so far.
         own = self.failures.records(AREA)
         self._failures_in_records = int(own[f"{AREA}/self/errors_count"])
+        own.update(self.silent.records(AREA))
         own[f"{AREA}/self/flush_host_ms"] = host_ms
         if hooks:
             for monitor, ns in hooks.items():
@@ -496,6 +542,11 @@ class MonitorHandle:
                 m.close()
             except Exception as e:
                 self.failures.failed("close", e)
+        if self.ctx.graphed:
+            # A graph that captured the hooks may replay after this: its kernels read
+            # these tables and gates and write this buffer. Gates off, memory kept.
+            self.metrics.set_enabled(False)
+            _KEPT_FOR_GRAPHS.append((self.ctx, self.monitors))
         try:
             if self.budget is not None and self.emit and self.monitors:
                 print(self.budget.summary(), file=sys.stderr)
@@ -515,10 +566,15 @@ class MonitorHandle:
         if self._executor is not None:
             self._go.set()
             self._executor.shutdown(wait=True)
-        drained = self.metrics.drain_landed()
-        if self.alarm is not None:
-            for x in drained:
-                self.alarm.landed(x)
+        if self._steps_since_flush and self.always_on and self._last_step is not None:
+            # The alarm counted the steps since its last readout: read them now, or a
+            # NaN there would be lost (a flush also checks each landed copy).
+            drained = self._flush(self._last_step, wait=True, copy=False)
+        else:
+            drained = self.metrics.drain_landed()
+            if self.alarm is not None:
+                for x in drained:
+                    self.alarm.landed(x)
         records.extend(self._read_here(drained))
         due = self.alarm.due(None) if self.alarm is not None else []
         self._publish(records)

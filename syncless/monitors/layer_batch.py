@@ -20,6 +20,15 @@ strides differ between layers, or no free offset buffer (``OffsetRing``).
 
 ``launch="layer"`` or ``SYNCLESS_MONITOR_LAUNCH=layer`` restores per-layer launches.
 
+Inside a CUDA graph capture the grouped launch is captured as it runs eagerly: the
+offsets table is copied once, at capture, into a slot the graph keeps
+(``OffsetRing``), and the fold is never deferred (a fold at the flush would run once,
+outside the graph, not at every replay). The kernels a capture launches must have
+been loaded by an eager step before it (a first launch loads a module, which a capture
+refuses): the same path as eagerly, so the warm-up step loads them. A capture that ends
+before every layer was seen (a graph per layer) leaves the rest pending: the flush
+drops it and says so (use ``launch="layer"`` with per-layer graphs).
+
 ``defer_fold=True`` leaves the fold (and ``after``) of a grouped launch to
 ``finish()``, which every ``MetricSet.flush`` runs first (``before_flush``): the grouped
 kernel still reads the
@@ -37,7 +46,7 @@ from collections.abc import Callable
 
 import torch
 
-from syncless.cuda_driver import stream_capturing
+from syncless.graphs import capturing
 from syncless.hot_path import hot_path
 from syncless.kernels.offsets import OffsetRing
 from syncless.metrics.slot_group import SlotGroup
@@ -69,8 +78,9 @@ class LayerBatch:
         group: a ``SlotGroup`` whose columns are every layer's columns, layer after
             layer, in the order of ``layers`` (what ``grouped`` writes).
         view: the tensors a kernel reads, from what the hook got (e.g. ``[rows, C]``).
-        grouped: ``(*first layer's views, device offsets, n_layers) -> partials
-            [P, L * width]``.
+        grouped: ``(*first layer's views, device offsets, n_layers, gate=) -> partials
+            [P, L * width]``; ``gate``: the group's ``kernel_gate``, for the kernel to
+            return early when it is off (inside a CUDA graph).
         single: ``(layer, *views)``: the per-layer path (partials and that layer's fold).
         accepts: ``(*first layer's views) -> bool``: False rules the grouped kernel out
             for these shapes (e.g. a sampled attention shape): every layer takes
@@ -105,10 +115,13 @@ class LayerBatch:
         self._n_layers = len(layers)
         self._defer = defer_fold
         self._unfolded: list[tuple[torch.Tensor, float]] = []  # (partials, samples)
+        self._pending_captured = False  # the pending tensors were added during a capture
         # What is pending or unfolded at a flush is this step's: finish it first.
         group.metrics.before_flush.append(self.finish)
         self.grouped_launches = 0
         self.single_launches = 0
+        self.dropped_captured = 0  # layers a capture left pending (finish dropped them)
+        self.error: Exception | None = None  # for the handle to report (take_error)
 
     @hot_path
     def add(self, layer: int, *xs: torch.Tensor) -> None:
@@ -117,17 +130,17 @@ class LayerBatch:
         Only a reference is kept here: the view and the checks run once per forward,
         at launch, since every torch call (even a ``reshape``) is host time per layer.
         """
-        if not torch.is_grad_enabled() or (xs[0].is_cuda and stream_capturing()):
+        if not torch.is_grad_enabled():
             # No autograd graph keeps these tensors past their layer (an evaluation
-            # forward): holding them to the end of the forward would cost memory. Under
-            # CUDA graph capture the offset upload (a pinned buffer and an event query)
-            # has no place: the per-layer launches are what the graph replays.
+            # forward): holding them to the end of the forward would cost memory.
             self._single(layer, *self._view(*xs))
             self.single_launches += 1
             return
         pending = self._pending
         if layer in pending:
             self.launch()
+        if not pending:
+            self._pending_captured = capturing(xs[0].is_cuda)
         pending[layer] = xs
         if len(pending) == self._n_layers:
             self.launch()
@@ -149,9 +162,9 @@ class LayerBatch:
                 self._single(layer, *self._view(*xs))
                 self.single_launches += 1
             return
-        partials = self._grouped(*first, table, self._n_layers)
+        partials = self._grouped(*first, table, self._n_layers, gate=self.group.kernel_gate)
         self.grouped_launches += 1
-        if self._defer and len(self._unfolded) < MAX_DEFERRED:
+        if self._defer and not self._pending_captured and len(self._unfolded) < MAX_DEFERRED:
             self._unfolded.append((partials, self._samples(*first)))
         else:  # no flush for many forwards (a loop that never flushes): fold now
             self._fold(partials, self._samples(*first))
@@ -160,10 +173,25 @@ class LayerBatch:
     def finish(self) -> None:
         """Launch what is pending, then fold every deferred grouped result (every
         ``MetricSet.flush`` calls this before its copy)."""
+        if self._pending_captured and self._pending:
+            # Added inside a capture that ended before the last layer: launched now, they
+            # would be read once, outside the graph, not at each replay.
+            self.dropped_captured += len(self._pending)
+            self._pending.clear()
+            self.error = RuntimeError(
+                f"a CUDA graph captured {self.dropped_captured} of the {self._n_layers} "
+                "layers of a grouped launch (one graph per layer?): they record nothing; "
+                "use launch='layer' (SYNCLESS_MONITOR_LAUNCH=layer) with per-layer graphs"
+            )
         self.launch()
         unfolded, self._unfolded = self._unfolded, []
         for partials, samples in unfolded:
             self._fold(partials, samples)
+
+    def take_error(self) -> Exception | None:
+        """What went wrong since the last call (the handle counts and reports it)."""
+        error, self.error = self.error, None
+        return error
 
     def _fold(self, partials: torch.Tensor, samples: float) -> None:
         self.group.fold(partials, samples)

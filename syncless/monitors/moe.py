@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from syncless import kernels
+from syncless.graphs import capturing
 from syncless.hot_path import hot_path
 from syncless.metrics import MetricSpec, Readout, Slot
 from syncless.metrics.slot_group import Column, SlotGroup
@@ -292,8 +293,9 @@ class MoEMonitor:
             softmax = score == "softmax"
 
             def single(index: int, logits: torch.Tensor) -> None:
-                partials = kernels.router_partials(logits, top_k, softmax)
-                groups[index].fold(partials, logits.shape[0])
+                group = groups[index]
+                partials = kernels.router_partials(logits, top_k, softmax, group.kernel_gate)
+                group.fold(partials, logits.shape[0])
 
             self._batch = LayerBatch(
                 [r.site.layer for r in by_logits],
@@ -302,8 +304,8 @@ class MoEMonitor:
                     [Column(slot) for r in by_logits for slot in (r.tokens, r.zloss, r.mass)],
                 ),
                 view=lambda logits: (logits,),
-                grouped=lambda logits, offsets, n: kernels.router_partials_grouped(
-                    logits, offsets, n, top_k, softmax
+                grouped=lambda logits, offsets, n, gate: kernels.router_partials_grouped(
+                    logits, offsets, n, top_k, softmax, gate
                 ),
                 single=single,
                 device=buffer.device,
@@ -320,14 +322,15 @@ class MoEMonitor:
 
         @hot_path
         def record(logits: torch.Tensor) -> None:
-            if not self.active:
+            if not self.active and not capturing(logits.is_cuda):
                 return
             n_tokens = logits.shape[0]  # a shape, fixed by the batch: not a tensor value
             if kernels.use_triton(logits) and kernels.router_supported(logits.shape[-1]):
                 if self._batch is not None:
                     self._batch.add(index, logits)  # the site's hook detached it
                     return
-                group.fold(kernels.router_partials(logits, top_k, softmax), n_tokens)
+                partials = kernels.router_partials(logits, top_k, softmax, group.kernel_gate)
+                group.fold(partials, n_tokens)
                 return
             stats = router_stats(logits, top_k, score, one)
             tokens.add(stats.counts, count=n_tokens)
@@ -342,7 +345,7 @@ class MoEMonitor:
 
         @hot_path
         def record(logits: torch.Tensor, routing_map: torch.Tensor) -> None:
-            if not self.active:
+            if not self.active and not capturing(logits.is_cuda):
                 return
             n_tokens = logits.shape[0]  # a shape, fixed by the batch: not a tensor value
             stats = router_stats_from_map(logits, routing_map, score)

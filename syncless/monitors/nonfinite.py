@@ -32,6 +32,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from syncless import kernels
+from syncless.graphs import capturing
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot
 from syncless.metrics.slot_group import Column, SlotGroup
@@ -131,7 +132,9 @@ class NonFiniteMonitor:
                 SlotGroup(ctx.metrics, [self.column(i) for i in self._layers]),
                 view=lambda x: (kernels.flat_view(x),),
                 grouped=kernels.nonfinite_partials_grouped,
-                single=lambda layer, x: groups[layer].fold(kernels.nonfinite_partials(x), 1),
+                single=lambda layer, x: groups[layer].fold(
+                    kernels.nonfinite_partials(x, groups[layer].kernel_gate), 1
+                ),
                 device=ctx.metrics.buffer.device,  # type: ignore[union-attr]
             )
             ctx.batches.append(self._batch)
@@ -146,7 +149,7 @@ class NonFiniteMonitor:
 
         @hot_path
         def record(hidden: torch.Tensor) -> None:
-            if not self.watching:
+            if not self.watching and not capturing(hidden.is_cuda):
                 return
             # x - x is 0 for every finite x and NaN for NaN and +-inf: 2 kernels, where
             # isfinite().logical_not().sum() decomposes into 6 (abs, ne, eq, mul, ...).
@@ -156,7 +159,8 @@ class NonFiniteMonitor:
                     # callback did not read for both)
                     self._batch.add(layer, hidden)
                     return
-                groups[layer].fold(kernels.nonfinite_partials(hidden.detach()), 1)
+                group = groups[layer]
+                group.fold(kernels.nonfinite_partials(hidden.detach(), group.kernel_gate), 1)
                 return
             alert.update(self._count(hidden.detach(), slot, first))
 
@@ -178,7 +182,8 @@ class NonFiniteMonitor:
         for name, x in values.items():
             x = x.detach()
             if kernels.use_triton(x):
-                self._value_groups[name].fold(kernels.nonfinite_partials(x), 1)
+                group = self._value_groups[name]
+                group.fold(kernels.nonfinite_partials(x, group.kernel_gate), 1)
             else:
                 self._count(x, *self._values[name])
 

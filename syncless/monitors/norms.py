@@ -7,9 +7,11 @@ reads each parameter and its gradient once: both per-layer sums of squares and, 
 post-hook reads the parameters and the snapshot once: the update's sums of squares.
 Per parameter element, with P bytes per parameter and G per gradient, that is 4P + G
 bytes (P + G without ``update_ratio``): the floor for hooks outside the optimizer, and
-why the monitor defaults to every 10 steps. Elsewhere (CPU, CUDA graph capture, a
-tensor the block table does not fit) ``_foreach_norm``, ``index_add_`` and
-``_foreach_mul`` give the same sums. See docs/monitors/norms.md.
+why the monitor defaults to every 10 steps. Elsewhere (CPU, a tensor the block table
+does not fit) ``_foreach_norm``, ``index_add_`` and ``_foreach_mul`` give the same
+sums. An optimizer step captured in a CUDA graph runs the hooks' kernels at every
+replay: the fused ones return at once when the monitor's gate is off, the foreach
+path computes and records nothing. See docs/monitors/norms.md.
 
 Cross-rank: a replicated (data-parallel) parameter is identical on every rank, a sharded
 one (FSDP2 and FSDP1 shards, tensor-parallel or expert-parallel parts) is not. Sums of
@@ -31,6 +33,7 @@ from torch import nn
 
 from syncless import kernels
 from syncless.errors import UsageError
+from syncless.graphs import capturing
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot, layer_scope
 from syncless.monitors.adapters import ModelMap
@@ -251,7 +254,9 @@ class NormsMonitor:
         self._zero = torch.zeros((), dtype=torch.float32, device=device)
         self._scatter = {q: _scatter(self._groups, q, buffer.device) for q in quantities}
         self._buffer = buffer
-        self._gate, self._gate_on = ctx.metrics.gate, ctx.metrics.gate_on
+        # The gate its metrics were declared under (attach: the monitor's name).
+        first_slot = next(iter(self._groups[0].slots.values()))
+        self._gate, self._gate_on = ctx.metrics.gate_views(ctx.metrics.gate_of(first_slot.spec.key))
         n = len(self._groups)
         self._fused = [
             FusedBucket(self._locals(i), groups, n) if kernels.use_triton(bucket[0]) else None
@@ -296,10 +301,9 @@ class NormsMonitor:
 
     @hot_path
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if not self.active:
-            return
         assert self._zero is not None  # set by attach()
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not self.active and not capturing(self._zero.is_cuda):
+            return
         with torch.no_grad():
             params: torch.Tensor | None = None
             grads: torch.Tensor | None = None
@@ -307,10 +311,10 @@ class NormsMonitor:
             for i in range(len(self._buckets)):
                 bucket = self._locals(i)
                 grads_i = self._grads(i)
-                fused = None if capturing else self._fused[i]
+                fused = self._fused[i]
                 ids = self._bucket_ids[i]
                 pre = (
-                    fused.pre_step(bucket, grads_i, self.update_ratio)
+                    fused.pre_step(bucket, grads_i, self.update_ratio, self._gate)
                     if fused is not None
                     else None
                 )
@@ -349,7 +353,7 @@ class NormsMonitor:
                 u = None
                 if isinstance(snap, torch.Tensor):  # the fused snapshot: one flat copy
                     assert fused is not None
-                    u = fused.diff_sumsq(bucket, snap)
+                    u = fused.diff_sumsq(bucket, snap, self._gate)
                     if u is None:  # no free offsets buffer: the copy through views
                         snap = fused.views(snap, bucket)
                 if u is None:
@@ -375,7 +379,9 @@ class NormsMonitor:
             values = sums.index_select(0, at.sum_rows)
             if at.sum_scale is not None:  # HSDP: each shard summed once per replica
                 values = values * at.sum_scale
-            buf.index_add_(0, at.sum_at, values * self._gate)
+            # where(), not a product with the gate: NaN * 0 is NaN, and a captured step
+            # whose gate is off must leave the buffer as it was.
+            buf.index_add_(0, at.sum_at, torch.where(self._gate_on, values, 0.0))
             buf.index_add_(0, at.count_at, self._gate.expand(at.count_at.shape[0]))
 
     # -- flush (cold) ------------------------------------------------------------------

@@ -3,8 +3,7 @@
 Two ways to the same per-layer sums of squares: the fused Triton path
 (``FusedBucket``: one launch per dtype bucket before the optimizer step, one after,
 syncless.kernels.norms), and the foreach path (``_foreach_norm`` and one ``index_add_``)
-wherever the fused one does not apply (CPU, CUDA graph capture, a tensor the block
-table does not fit).
+wherever the fused one does not apply (CPU, a tensor the block table does not fit).
 """
 
 from __future__ import annotations
@@ -119,7 +118,11 @@ class FusedBucket:
 
     @hot_path
     def pre_step(
-        self, params: list[torch.Tensor], grads: list[torch.Tensor | None], snapshot: bool
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor | None],
+        snapshot: bool,
+        gate: torch.Tensor | None = None,
     ) -> _PreStep | None:
         """Both sums of squares and, with ``snapshot``, the flat copy: one launch that
         reads each parameter and its gradient once."""
@@ -139,15 +142,18 @@ class FusedBucket:
             first_grad=None if grad_offsets is None else present[0],
             grad_offsets=grad_offsets,
             snap=snap,
+            gate=gate,
         )
         return _PreStep(sums[0], None if grad_offsets is None else sums[1], snap)
 
     @hot_path
-    def diff_sumsq(self, params: list[torch.Tensor], snap: torch.Tensor) -> torch.Tensor | None:
+    def diff_sumsq(
+        self, params: list[torch.Tensor], snap: torch.Tensor, gate: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         offsets = self._offsets(list(params), 0)
         if offsets is None:
             return None
-        return self._fused.group_diff_sumsq(params[0], offsets, self.table, snap)
+        return self._fused.group_diff_sumsq(params[0], offsets, self.table, snap, gate)
 
     def views(self, snap: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The flat snapshot as one view per parameter, for the foreach path."""

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from syncless import kernels
+from syncless.graphs import capturing
 from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.activations import ActivationsMonitor
 from syncless.monitors.base import Monitor, MonitorContext
@@ -93,7 +94,7 @@ def _shared_hook(
 
     def record(hidden: torch.Tensor) -> None:
         a, n = acts.active, nonf.watching
-        if not (a or n):
+        if not (a or n) and not capturing(hidden.is_cuda):
             return
         if torch.compiler.is_compiling():
             # Traced into the graph: no clock read, timing event or engine query (each
@@ -108,6 +109,12 @@ def _shared_hook(
             skips = ctx.recompute_skips
             for m in [acts.name] * a + [nonf.name] * n:
                 skips[m] = skips.get(m, 0) + 1
+            return
+        if capturing(hidden.is_cuda):
+            # Captured: both read, as when both run; the gates decide at each replay.
+            ctx.graphed = True
+            if not acts_record(hidden):
+                nonf_record(hidden)
             return
         start = clock()
         budget = ctx.budget

@@ -14,6 +14,7 @@ class _Group:
     def __init__(self) -> None:
         self.metrics = MetricSet()
         self.folds: list[tuple[float, float]] = []
+        self.kernel_gate = None
 
     def fold(self, partials: torch.Tensor, n_samples: float) -> None:
         self.folds.append((float(partials.sum()), n_samples))
@@ -24,7 +25,7 @@ def _batch(group: _Group) -> LayerBatch:
         [0, 1],
         group,  # type: ignore[arg-type]
         view=lambda x: (x,),
-        grouped=lambda x, offsets, n: x.clone(),
+        grouped=lambda x, offsets, n, gate: x.clone(),
         single=lambda layer, x: None,
         device=torch.device("cpu"),
         samples=lambda x: float(x.shape[0]),

@@ -158,7 +158,9 @@ def test_a_single_bad_step_between_readouts_keeps_its_step_and_counts(value):
     assert _values(records, "monitors/step/nonfinite_first_step") == [(8, 6.0)]
     assert _values(records, "monitors/step/nonfinite_first_layer") == [(8, float(first_layer))]
     assert _values(records, "monitors/layer_02/nonfinite_first_step") == [(8, 6.0)]
-    assert _values(records, "monitors/global/nonfinite_count") == [(0, 0), (4, 0), (8, total)]
+    # close() reads the step after the last readout too (a NaN there is not lost)
+    counts = _values(records, "monitors/global/nonfinite_count")
+    assert counts == [(0, 0), (4, 0), (8, total), (9, 0)]
     # the alert is the largest count of the readout's own step, clean at step 8
     assert all(v == 0 for _, v in _values(records, "monitors/step/nonfinite_alert_count"))
 
@@ -186,6 +188,18 @@ def test_nonfinite_gradients_are_reported_by_the_grad_norm_check_and_per_layer()
     assert _values(records, "monitors/step/grad_nonfinite_first_layer") == [(3, 1.0)]
     assert _values(records, "monitors/step/grad_nonfinite_layers_count") == [(3, 1.0)]
     assert not _values(records, "monitors/step/nonfinite_first_step")  # outputs stayed finite
+
+
+def test_a_nan_after_the_last_readout_is_read_at_close():
+    """Readouts every 4 steps, 10 steps: the NaN of step 9 is counted by the alarm and
+    read by close(), labelled with the last step."""
+    model = _llama()
+    plant = Plant(model, at=9, layer=0, value=float("nan"))
+    handle = _attach(model, [NonFiniteMonitor(every=4)], budget=None, lagged=False)
+    records = _train(model, handle, plant, steps=10, skip_update_at=9)
+    total, _, _ = plant.truth()
+    assert _values(records, "monitors/step/nonfinite_first_step") == [(9, 9.0)]
+    assert _values(records, "monitors/global/nonfinite_count")[-1] == (9, total)
 
 
 def test_warn_prints_one_line_naming_step_layer_and_count(capfd):
@@ -270,7 +284,9 @@ def test_on_cuda_the_grouped_fold_keeps_the_first_step_and_layer(monkeypatch):
     total, _, first_layer = plant.truth()
     assert _values(records, "monitors/step/nonfinite_first_step") == [(8, 6.0)]
     assert _values(records, "monitors/step/nonfinite_first_layer") == [(8, float(first_layer))]
-    assert _values(records, "monitors/global/nonfinite_count") == [(0, 0), (4, 0), (8, total)]
+    # close() reads the step after the last readout too (a NaN there is not lost)
+    counts = _values(records, "monitors/global/nonfinite_count")
+    assert counts == [(0, 0), (4, 0), (8, total), (9, 0)]
     assert _values(records, "monitors/step/loss_nonfinite_first_step") == [(8, 6.0)]
     assert mon._batch is not None and mon._batch.grouped_launches >= 9
 
