@@ -29,9 +29,10 @@ from syncless.profile import collective_calls
 from syncless.profile import report as _report
 from syncless.profile import summary as _summary
 from syncless.profile.calibrate import Calibration, calibrate
+from syncless.profile.graph_sections import UNTIMED_RECORD, GraphSections
 from syncless.profile.module_hooks import ModuleHandle
 from syncless.profile.spans import ProfileMisuse, Span, SpanRecorder
-from syncless.profile.table import DISTORTION, render
+from syncless.profile.table import DISTORTION, graph_notes, render
 from syncless.profile.timers import Timer, make_timer
 from syncless.run.console import print_wide
 
@@ -98,13 +99,15 @@ class Profiler:
         self.console = console
         self._want_calibration = calibrate
         self.calibration: Calibration | None = None
+        graphs = GraphSections(self.cuda)
         self._recorder = SpanRecorder(
-            make_timer(mode, self.cuda),
+            make_timer(mode, self.cuda, graphs),
             strict=strict,
             nvtx=self.nvtx,
             # Collectives mode drains the device around collective spans only.
             sync_collectives=self.cuda and mode == "collectives",
             group=group,
+            graphs=graphs,
         )
         # Distributed setup is lazy: the profiler may be built before init_process_group.
         self._dist_ready = False
@@ -119,12 +122,18 @@ class Profiler:
 
     @_timer.setter
     def _timer(self, timer: Timer) -> None:
-        self._recorder.timer = timer
+        self._recorder.use_timer(timer)
+
+    @property
+    def _graphs(self) -> GraphSections:
+        """The spans captured into CUDA graphs (tests give it a stand-in clock)."""
+        return self._recorder.graphs
 
     # -- setup (cold) ---------------------------------------------------------------
 
     def _setup(self) -> None:
         self._dist_ready = True
+        self._recorder.graphs.setup()  # CUDA: the stamp buffer and kernels, before any capture
         if dist.is_available() and dist.is_initialized():
             self._world = dist.get_world_size(self.group)
             self._rank = dist.get_rank(self.group)
@@ -157,10 +166,18 @@ class Profiler:
     def begin_step(self, step: int | None = None) -> None:
         """Open step ``step`` (default: one more than the last)."""
         t_in = time.perf_counter_ns()
+        recorder = self._recorder
+        if recorder.graphs.capturing():  # its setup, its waits: none may go into a graph
+            recorder.misused(
+                "begin-captured",
+                "begin_step() inside a CUDA graph capture: not a step (begin the step "
+                "before the captured region)",
+            )
+            return
         if not self._dist_ready:
             self._setup()
             t_in = time.perf_counter_ns()  # calibration is billed to nobody's step
-        self._recorder.begin_step(step, t_in)
+        recorder.begin_step(step, t_in)
 
     def end_step(self) -> None:
         """Close the open step and read the previous step's device times (lagged)."""
@@ -270,6 +287,7 @@ class Profiler:
             lates,
             DISTORTION[key],
             self.calibration,
+            graph_notes(recorder.graphs.timed, mine.untimed_graph_spans, UNTIMED_RECORD),
         )
         vals = _report.values(mine, rows, lates)
         rep = _report.ProfileReport(

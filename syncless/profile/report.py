@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from rich.table import Table
 
+from syncless.profile.graph_sections import UNTIMED_RECORD
 from syncless.profile.names import metric
 from syncless.profile.summary import Late, RankSummary, Row
 from syncless.run.records import StepRecord
@@ -65,6 +66,7 @@ def values(me: RankSummary, rows: list[Row], lates: list[Late]) -> dict[str, flo
     steps = max(me.steps, 1)
     out[metric("self", "host_ms")] = me.self_ns / 1e6 / steps
     out[metric("self", "misuse_count")] = float(me.misuse)
+    out[UNTIMED_RECORD] = float(me.untimed_graph_spans)
     for late in lates:
         # A rank id: dimensionless.
         out[metric(late.collective, "late_rank")] = float(late.late_rank)

@@ -10,7 +10,8 @@ device (except in the opt-in ``collectives``/``sync`` modes) and nothing crosses
 except the 1-element rendezvous all_reduce the caller asked for. A section gets its id
 at its first use (interning). At the end of a step the *previous* step's tokens are
 turned into times (lagged timers). Misuse inside a step is counted, or raised as
-:class:`ProfileMisuse` with ``strict=True``.
+:class:`ProfileMisuse` with ``strict=True``. A span captured into a CUDA graph goes to
+:class:`~syncless.profile.graph_sections.GraphSections` instead, which times its replays.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 from syncless.hot_path import hot_path
 from syncless.profile import names as _names
 from syncless.profile import summary as _summary
+from syncless.profile.graph_sections import GraphMark, GraphSections
 from syncless.profile.module_hooks import ModuleHandle
 from syncless.profile.timers import Timer
 
@@ -71,6 +73,7 @@ class SpanRecorder:
         sync_collectives: drain the device around collective spans (``collectives``
             mode on CUDA).
         group: the default process group of ``collective``'s rendezvous.
+        graphs: the spans captured into CUDA graphs (the one ``timer`` marks them in).
     """
 
     def __init__(
@@ -81,8 +84,10 @@ class SpanRecorder:
         nvtx: bool,
         sync_collectives: bool,
         group: dist.ProcessGroup | None,
+        graphs: GraphSections,
     ) -> None:
-        self.timer = timer
+        self.graphs = graphs
+        self.use_timer(timer)
         self.strict = strict
         self.nvtx = nvtx
         self._sync_collectives = sync_collectives
@@ -115,6 +120,12 @@ class SpanRecorder:
         self.window_steps = 0
         self.steps_total = 0
         self.last_step = -1
+
+    def use_timer(self, timer: Timer) -> None:
+        """Time spans with ``timer`` from now on; its captured spans go to ``graphs``."""
+        self.timer = timer
+        if hasattr(timer, "graphs"):
+            timer.graphs = self.graphs
 
     def use_rendezvous(self, rdv: torch.Tensor | None) -> None:
         """The 1-element tensor ``collective`` all_reduces before each collective (None:
@@ -266,9 +277,13 @@ class SpanRecorder:
         stack.pop()
         if self.nvtx:
             torch.cuda.nvtx.range_pop()
-        self._spans.append((span._sid, span._token, end))
-        self._calls[span._sid] += 1
-        self._bytes[span._sid] += span._bytes
+        sid = span._sid
+        if end.__class__ is GraphMark:  # captured: timed at the graph's replays
+            self._captured(sid, end, span._bytes)
+        else:
+            self._spans.append((sid, span._token, end))
+            self._calls[sid] += 1
+            self._bytes[sid] += span._bytes
         span._token = None
         self.self_ns += time.perf_counter_ns() - t_in
 
@@ -285,9 +300,13 @@ class SpanRecorder:
             return fn(*args, **kw)
         cid, eid, rid, tid = self._collective_ids(name)
         timer = self.timer
-        if self._sync_collectives:
+        # A synchronize inside a CUDA graph capture would fail it.
+        sync = self._sync_collectives and not self.graphs.capturing()
+        if sync:
             torch.cuda.synchronize()  # syncless: ok opt-in collectives mode
         a = timer.mark()
+        if a.__class__ is GraphMark:
+            return self._captured_collective(cid, tid, a, t_in, fn, *args, **kw)
         rdv_ns = 0
         b = a
         if rendezvous and self._rdv is not None:
@@ -300,7 +319,7 @@ class SpanRecorder:
         h0 = time.perf_counter_ns()
         out = fn(*args, **kw)
         fn_ns = time.perf_counter_ns() - h0
-        if self._sync_collectives:
+        if sync:
             torch.cuda.synchronize()  # syncless: ok opt-in collectives mode
         c = timer.mark()
         spans = self._spans
@@ -315,6 +334,30 @@ class SpanRecorder:
         self._host_ns[eid] += fn_ns
         self.self_ns += time.perf_counter_ns() - t_in - fn_ns - rdv_ns
         return out
+
+    def _captured_collective(
+        self, cid: int, tid: int, start: GraphMark, t_in: int, fn: Callable[..., Any],
+        *args: Any, **kw: Any,
+    ) -> Any:  # fmt: skip
+        """A collective issued while its stream is captured into a CUDA graph: the
+        collective and its transfer are one device span, timed at every replay. No
+        rendezvous probe: it would add a collective to every replay of the caller's
+        graph. No enqueue: the host ran the call once, at capture."""
+        h0 = time.perf_counter_ns()
+        out = fn(*args, **kw)
+        fn_ns = time.perf_counter_ns() - h0
+        end = self.timer.mark_end(start)
+        self._captured(cid, end, 0)
+        if end.base >= 0:  # (an untimed one is named once, as the collective)
+            self._captured(tid, end, 0)
+        self.self_ns += time.perf_counter_ns() - t_in - fn_ns
+        return out
+
+    def _captured(self, sid: int, end: GraphMark, nbytes: int) -> None:
+        """A span of section ``sid`` closed inside a captured region (Python runs once,
+        at capture): its row is kept from now on, timed or not."""
+        self._seen[sid] = True
+        self.graphs.add(sid, self._meta[sid].name, end, nbytes)
 
     # -- module forwards (hot) -------------------------------------------------------
 
@@ -344,6 +387,7 @@ class SpanRecorder:
         mark, mark_end = self.timer.mark, self.timer.mark_end
         stack = self._stack  # cleared in place, never replaced
         calls, sizes = self._calls, self._bytes
+        graph_mark = GraphMark
         previous = module.__dict__.get("forward")  # another wrapper, or None
         inner = module.forward
 
@@ -373,10 +417,13 @@ class SpanRecorder:
                     end = mark_end(token)
                     stack.pop()
                     sid = span._sid
-                    self._spans.append((sid, token, end))
-                    calls[sid] += 1
-                    if bytes:
-                        sizes[sid] += bytes
+                    if end.__class__ is graph_mark:  # captured: timed at replays
+                        self._captured(sid, end, bytes)
+                    else:
+                        self._spans.append((sid, token, end))
+                        calls[sid] += 1
+                        if bytes:
+                            sizes[sid] += bytes
                     span._token = None
                     self.self_ns += clock() - t_in
 
@@ -413,10 +460,14 @@ class SpanRecorder:
         self.self_ns += time.perf_counter_ns() - t_in
 
     def end_step(self) -> None:
-        """Close the open step and read the previous step's device times (lagged)."""
+        """Close the open step and read the previous step's device times (lagged), and
+        the stamps of the graphs replayed since the last step (lagged too)."""
         t_in = time.perf_counter_ns()
         if not self.in_step:
             self.misused("end", "end_step() without an open step; ignored")
+            return
+        if self.graphs.capturing():
+            self._drop_captured_end()
             return
         if self._stack:
             names = [self._meta[s._sid].name for s in self._stack]
@@ -436,9 +487,25 @@ class SpanRecorder:
         if not self.timer.lagged:
             self._resolve_pending()
         self.timer.swap()
+        self._add_replays(self.graphs.end_step())
         self.window_steps += 1
         self.steps_total += 1
         self.self_ns += time.perf_counter_ns() - t_in
+
+    def _drop_captured_end(self) -> None:
+        """``end_step`` inside a capture: no wait, no copy there (either would go into
+        the graph or fail it), so the step is dropped."""
+        self.misused(
+            "end-captured",
+            "end_step() inside a CUDA graph capture: the step is dropped (end the step "
+            "after the captured region)",
+        )
+        if self.nvtx:
+            for _ in self._stack:
+                torch.cuda.nvtx.range_pop()  # keep the NVTX stack balanced
+        self._stack.clear()
+        self._spans = []
+        self.in_step = False
 
     def _resolve_pending(self) -> None:
         timer = self.timer
@@ -448,11 +515,20 @@ class SpanRecorder:
                 self._time_ns[sid] += timer.elapsed_ns(a, b)
         self._pending.clear()
 
+    def _add_replays(self, replayed: list[tuple[int, float, int, int]]) -> None:
+        """Captured sections' time, calls and bytes from the graphs' replays."""
+        for sid, ns, calls, nbytes in replayed:
+            self._time_ns[sid] += ns
+            self._calls[sid] += calls
+            self._bytes[sid] += nbytes
+
     # -- the report window (cold) -------------------------------------------------------
 
     def summary(self, rank: int) -> _summary.RankSummary:
-        """This rank's totals for the current window (reads any lagged events)."""
+        """This rank's totals for the current window (reads any lagged events and
+        graph stamps)."""
         self._resolve_pending()
+        self._add_replays(self.graphs.drain())
         sections: dict[str, _summary.SectionTotals] = {}
         for sid, meta in enumerate(self._meta):
             if sid == self._step_sid:
@@ -480,6 +556,7 @@ class SpanRecorder:
             self_ns=float(self.self_ns),
             misuse=self._misuse,
             sections={"step": step, **sections},
+            untimed_graph_spans=self.graphs.untimed,
         )
 
     def reset_window(self) -> None:

@@ -29,6 +29,8 @@ class RankSummary:
     self_ns: float
     misuse: int
     sections: dict[str, SectionTotals] = field(default_factory=dict)
+    # Spans captured into CUDA graphs that no replay times (since the profiler started).
+    untimed_graph_spans: int = 0
 
 
 @dataclass

@@ -35,6 +35,23 @@ SKEW_CAVEAT = (
 )
 
 
+def graph_notes(timed: int, untimed: int, untimed_record: str) -> list[str]:
+    """Caption lines for spans captured into CUDA graphs (none without a capture)."""
+    notes = []
+    if timed:
+        notes.append(
+            f"{timed} span(s) inside CUDA graphs: timed on the device at every replay "
+            "(%globaltimer stamps in the graph, read after the step); their calls count "
+            "replays"
+        )
+    if untimed:
+        notes.append(
+            f"{untimed} span(s) captured in CUDA graphs are not timed at their replays "
+            f"({untimed_record}; a warning named their sections)"
+        )
+    return notes
+
+
 def _ms(x: float) -> str:
     return f"{x:.3f}"
 
@@ -45,6 +62,7 @@ def render(
     lates: list[Late],
     distortion: str,
     calibration: Calibration | None,
+    notes: list[str] | None = None,
 ) -> Table:
     """Build the table; callers print it (``rich.console.Console().print(table)``)."""
     table = Table(title=title, title_justify="left")
@@ -76,7 +94,7 @@ def render(
             _ms(r.rank_max_ms),
             str(r.max_rank),
         )
-    notes = [distortion]
+    notes = [distortion, *(notes or [])]
     if calibration is not None:
         notes.append(calibration.describe())
     for late in lates:
