@@ -276,7 +276,7 @@ def train_step(work: Workload, prof: Any = OFF, flush: Callable[[], None] | None
     """One training step; returns after the loss read-back, the step's one sync."""
     autocast = torch.autocast(work.device.type, dtype=torch.bfloat16, enabled=work.bf16)
     with prof.section("forward"), autocast:
-        loss = _loss(work)
+        loss = step_loss(work)
     with prof.section("backward"):
         loss.backward()
     with prof.section("optimizer"):
@@ -289,7 +289,8 @@ def train_step(work: Workload, prof: Any = OFF, flush: Callable[[], None] | None
     return loss.item()
 
 
-def _loss(work: Workload) -> torch.Tensor:
+def step_loss(work: Workload) -> torch.Tensor:
+    """The loss of one forward on the workload's batch (no backward)."""
     if work.loss is not None:
         return work.loss()
     if work.spec.family != "demo":

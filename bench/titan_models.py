@@ -10,7 +10,7 @@ from hf_models import ModelSpec
 from torch import nn
 
 
-def _without_fsdp_helpers() -> None:
+def without_fsdp_helpers() -> None:
     """torchtitan 0.3 imports ``torch.distributed.fsdp.DataParallelMeshDims`` (torch 2.12)
     in its FSDP helpers, which a one-GPU bench never calls; the H200 image has torch
     2.11. A placeholder class lets the model classes import."""
@@ -21,7 +21,7 @@ def _without_fsdp_helpers() -> None:
 
 
 def build_titan_model(spec: ModelSpec, device: torch.device) -> nn.Module:
-    _without_fsdp_helpers()
+    without_fsdp_helpers()
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.nn_modules import RMSNorm
