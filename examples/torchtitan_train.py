@@ -5,7 +5,7 @@ registry for the second.
    ``metrics`` component for ``SynclessMetricsProcessor`` (settings as JSON)::
 
        torchrun --nproc-per-node 8 -m torchtitan.train \\
-           --module llama3 --config llama3_debugmodel --training.disable_cuda_graphs \\
+           --module llama3 --config llama3_debugmodel \\
            --override.imports \\
            'syncless.integrations.torchtitan.syncless_metrics={"monitors": "all"}'
 
@@ -15,8 +15,9 @@ registry for the second.
            --module torchtitan_train --config llama3_debugmodel_syncless
 
 Either way the monitors attach after AC, compile and FSDP, flush once per optimizer
-step and write to ``runs/<time>-torchtitan`` (``syncless report`` reads it). CUDA
-graphs replay without the monitors' Python, so they are turned off.
+step and write to ``runs/<time>-torchtitan`` (``syncless report`` reads it). They work
+with torchtitan's CUDA graphs (its default): step 2 captures their hooks, and device
+gates set between replays carry their cadences.
 """
 
 from __future__ import annotations
@@ -31,5 +32,4 @@ def llama3_debugmodel_syncless() -> Trainer.Config:
     """torchtitan's Llama 3 debug model with every syncless monitor."""
     config = llama3_debugmodel()
     config.metrics = syncless_metrics(config.metrics, monitors="all")  # the one line
-    config.training.disable_cuda_graphs = True
     return config

@@ -1,14 +1,21 @@
 """Tiny torchtitan models on the CPU, for tests only: llama3, qwen3, qwen3 MoE and
 deepseek_v3 built from their config dataclasses (no download), with SDPA in place of
-flex attention (flex and varlen attention have no CPU backward)."""
+flex attention (flex and varlen attention have no CPU backward). Also what the stock
+``Trainer`` needs to run on a CPU: a model spec, a tokenizer and data that download
+nothing, and ``trainer_on_cpu``'s shims."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.nn_modules import RMSNorm
@@ -19,6 +26,7 @@ from torchtitan.models.qwen3 import (
     _build_qwen3_layers,
     _build_qwen3_moe_layers,
 )
+from torchtitan.protocols.model_spec import ModelSpec
 
 B, L, DIM, VOCAB = 2, 16, 64, 128
 _INIT = {"weight": partial(nn.init.normal_, std=0.05)}
@@ -69,11 +77,16 @@ MODELS = {"llama3": Llama3Model, "qwen3": Qwen3Model, "qwen3-moe": Qwen3Model,
 FAMILIES = list(MODELS)
 
 
-def build_model(family: str, seed: int = 0) -> nn.Module:
+def model_config(family: str) -> Any:
+    """``family``'s model config dataclass (what ``build_model`` builds)."""
     layers = _layers(family)
     for layer in layers:  # flex and varlen attention have no CPU backward
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    config = MODELS[family].Config(**_common(), layers=layers)
+    return MODELS[family].Config(**_common(), layers=layers)
+
+
+def build_model(family: str, seed: int = 0) -> nn.Module:
+    config = model_config(family)
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = config.build()
@@ -93,3 +106,96 @@ def build_model(family: str, seed: int = 0) -> nn.Module:
 
 def tokens(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (B, L), generator=torch.Generator().manual_seed(seed))
+
+
+# -- the stock Trainer on a CPU ---------------------------------------------------------
+
+
+def model_spec(family: str = "llama3", parallelize_fn: Callable | None = None) -> ModelSpec:
+    """``family``'s tiny model as a ``ModelSpec`` (llama3 or qwen3 / qwen3-moe;
+    ``parallelize_fn``: torchtitan's for the family unless given)."""
+    from torchtitan.models.llama3 import parallelize_llama
+    from torchtitan.models.qwen3 import parallelize_qwen3
+
+    name = family.split("-")[0]
+    default = {"llama3": parallelize_llama, "qwen3": parallelize_qwen3}[name]
+    return ModelSpec(
+        name=name, flavor="tiny", model=model_config(family),
+        parallelize_fn=parallelize_fn or default, pipelining_fn=None,
+        post_optimizer_build_fn=None, state_dict_adapter=None,
+    )  # fmt: skip
+
+
+class NoDeviceMemory:
+    """Stands in for torchtitan's DeviceMemoryMonitor, which asks the CUDA module."""
+
+    device_name = "cpu"
+
+    def get_peak_stats(self) -> Any:
+        from torchtitan.components.metrics import DeviceMemStats
+
+        return DeviceMemStats(0.0, 0.0, 0.0, 0.0, 0, 0)
+
+    def reset_peak_stats(self) -> None:
+        pass
+
+
+class NoTokenizer(BaseTokenizer):
+    """The Trainer builds a tokenizer from files; the data below needs none."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseTokenizer.Config):
+        pass
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__()
+
+    def encode(self, *args: Any, **kwargs: Any) -> list[int]:
+        return []
+
+    def decode(self, *args: Any, **kwargs: Any) -> str:
+        return ""
+
+    def get_vocab_size(self) -> int:
+        return VOCAB
+
+
+class RandomTokens(BaseDataLoader):
+    """Endless batches of random tokens, the same for the same ``seed``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        seed: int = 0
+
+    def __init__(self, config: Config, *, local_batch_size: int, seq_len: int, **kwargs: Any):
+        self.batch, self.seq_len, self.seed = local_batch_size, seq_len, config.seed
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        generator = torch.Generator().manual_seed(self.seed)
+        while True:
+            ids = torch.randint(0, VOCAB, (self.batch, self.seq_len + 1), generator=generator)
+            yield {"input": ids[:, :-1]}, ids[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+def trainer_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Test shims for the stock ``Trainer`` on one CPU rank (torch.distributed already
+    initialized, ``LOCAL_RANK`` set): torchtitan takes "cuda" as the device where
+    there is no accelerator; its device memory monitor asks CUDA; and after step 1 it
+    sets NCCL timeouts with a barrier on a CUDA device index."""
+    import torchtitan.components.metrics as titan_metrics
+    import torchtitan.distributed.parallel_dims as titan_dims
+    import torchtitan.distributed.utils as titan_dist
+    import torchtitan.tools.utils as titan_utils
+
+    monkeypatch.setattr(titan_utils, "device_type", "cpu")
+    monkeypatch.setattr(titan_utils, "device_module", torch.cpu)
+    monkeypatch.setattr(titan_dims, "device_type", "cpu")  # the meshes' device
+    monkeypatch.setattr(titan_metrics, "build_device_memory_monitor", NoDeviceMemory)
+    monkeypatch.setattr(titan_dist, "set_pg_timeouts", lambda **kwargs: None)
+    monkeypatch.setenv("LOCAL_RANK", "0")

@@ -29,6 +29,11 @@ The data-parallel gradient reduce (``config.finalize_model_grads_func``) is time
 ``Profiler.collective``, with its rendezvous/transfer split. Forward-only calls
 (validation) pause the monitors and suspend the capture engine: no window is published,
 nothing they flush counts against the training windows, and both resume after.
+
+CUDA graphs: one per iteration (``cuda_graph_scope="full_iteration"``, Megatron's
+``FullCudaGraphWrapper`` passed to ``forward_backward``) captures the monitors' hooks
+with the schedule. Megatron's per-layer graphs are refused at construction
+(``check_cuda_graphs`` in the Megatron adapter says why).
 """
 
 from __future__ import annotations
@@ -42,7 +47,12 @@ from torch import nn
 from syncless.errors import UsageError
 from syncless.integrations.session import unwrap_optimizer
 from syncless.monitors import MonitorHandle, attach, build, parse_names
-from syncless.monitors.adapters.megatron import find_gpt, param_layout
+from syncless.monitors.adapters.megatron import (
+    check_cuda_graphs,
+    find_gpt,
+    graphs_per_iteration,
+    param_layout,
+)
 from syncless.monitors.budget import DEFAULT_BUDGET
 from syncless.monitors.norms import NormsMonitor
 from syncless.monitors.norms_sharding import REPLICATED, Layout
@@ -140,6 +150,18 @@ def communication_windows(boundaries: int) -> Any:
             "expected a start and a stop per send or receive (an even number >= 2)"
         )
     return WindowPattern(boundaries, [(b, b + 1) for b in range(1, boundaries, 2)])
+
+
+def _check_windows_without_replays(config: Any) -> None:
+    """Capture windows need the schedule's Python at every iteration: refused under
+    pipeline parallelism with one CUDA graph per iteration."""
+    if getattr(config, "pipeline_model_parallel_size", 1) > 1:
+        raise UsageError(
+            "SynclessMegatron(capture=...) with cuda_graph_scope='full_iteration' and "
+            "pipeline parallelism: the capture windows follow the pipeline's sends and "
+            "receives through config.timers, which a replayed iteration does not call. "
+            "Pass capture=None, or cuda_graph_impl='none'"
+        )
 
 
 def model_config(chunks: Sequence[nn.Module]) -> Any:
@@ -265,6 +287,9 @@ class SynclessMegatron:
     ) -> None:
         self.chunks = list(model) if isinstance(model, Sequence) else [model]
         self.config = model_config(self.chunks)
+        check_cuda_graphs(self.config)  # before anything is opened or installed
+        if capture is not None and graphs_per_iteration(self.config):
+            _check_windows_without_replays(self.config)
         self.run = run if run is not None else Run(name="megatron")
         self._owns_run = run is None
         self.profiler, self.capture = profiler, capture
@@ -294,8 +319,15 @@ class SynclessMegatron:
         return self.profiler.collective("dp-grads-reduce", self._finalize, *args, **kwargs)
 
     def forward_backward(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        """``function`` (``get_forward_backward_func()``) with validation suspended and
-        the window pattern learnt at the first training iteration."""
+        """``function`` (``get_forward_backward_func()``, or Megatron's
+        ``FullCudaGraphWrapper`` of it) with validation suspended and the window pattern
+        learnt at the first training iteration."""
+        if getattr(function, "cuda_graph_warmup_steps", 1) < 1:
+            raise UsageError(
+                "FullCudaGraphWrapper(..., cuda_graph_warmup_steps=0) captures the first "
+                "iteration. A monitor's Triton kernel is loaded onto the GPU at its first "
+                "launch, which a capture refuses: leave at least one eager iteration"
+            )
 
         def forward_backward(*args: Any, **kwargs: Any) -> Any:
             if kwargs.get("forward_only", False):

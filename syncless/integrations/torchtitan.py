@@ -5,7 +5,6 @@ From the job config, with no code (torchtitan's ``--override.imports`` swaps the
 trainer's ``metrics`` component for this one and keeps its settings)::
 
     python -m torchtitan.train --module llama3 --config llama3_debugmodel \\
-        --training.disable_cuda_graphs \\
         --override.imports syncless.integrations.torchtitan.syncless_metrics
     # settings: 'syncless.integrations.torchtitan.syncless_metrics={"monitors": "attention,moe"}'
 
@@ -23,6 +22,11 @@ flushes the step before it (after its optimizer step), and ``close`` flushes the
 step and closes the handle and the ``Run``. ``ModelSpec.post_optimizer_build_fn`` also
 runs at the right moment, but it is a per-model callable (qwen3 MoE and deepseek_v3
 already use it), has no per-step call and no end.
+
+CUDA graphs (torchtitan's default on GPU) need nothing from the user. Step 1 runs
+eagerly with the hooks attached just before it; step 2 is captured with them. From
+then on each replay runs their kernels, and a device gate per monitor, set by the
+flush in the next ``should_log`` (outside the graph), decides whether they record.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config.override import derive, override
 
@@ -70,15 +73,6 @@ class SynclessMetricsProcessor(MetricsProcessor):
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         job = kwargs.get("config_dict") or {}
-        if torch.cuda.is_available() and not job.get("training", {}).get(
-            "disable_cuda_graphs", True
-        ):
-            raise UsageError(
-                "syncless in torchtitan: the trainer captures each step in CUDA graphs "
-                "(training.disable_cuda_graphs=False); a replay skips the monitors' Python "
-                "(cadences, budget, recompute checks, flushes). Pass "
-                "--training.disable_cuda_graphs"
-            )
         self.session = MonitorSession(
             config.monitors,
             run_dir=config.run_dir,
@@ -91,7 +85,9 @@ class SynclessMetricsProcessor(MetricsProcessor):
 
     def should_log(self, step: int) -> bool:
         # The trainer asks once per step, before its forward: the place to attach (first
-        # call) or to flush the step before, whose optimizer step has run.
+        # call) or to flush the step before, whose optimizer step has run. Under CUDA
+        # graphs this is outside the captured forward and backward, between replays, as
+        # handle.step must be; the flush also sets the gates the next replay reads.
         if self.session.handle is None:
             self._open()
         elif self.step_running is not None and step != self.step_running:

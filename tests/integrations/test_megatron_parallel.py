@@ -203,10 +203,11 @@ class DistributedOptimizerLike:
         self.optimizer.step()
 
 
-def _run_distributed_optimizer(rank: int, world: int, case: str) -> dict[str, Any]:
+def _run_distributed_optimizer(rank: int, world: int, case: str, run_dir: str) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     from syncless.integrations.megatron import SynclessMegatron
+    from syncless.run import Run
 
     parallel = Parallel(tp=2) if case == "tp2" else Parallel()
     init_parallel(parallel)
@@ -215,7 +216,8 @@ def _run_distributed_optimizer(rank: int, world: int, case: str) -> dict[str, An
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     optimizer = DistributedOptimizerLike(list(model.parameters()), dp_rank, dp_size)
-    syncless = SynclessMegatron(model, optimizer, monitors="norms", budget=None, run=None)
+    run = Run(run_dir=run_dir)
+    syncless = SynclessMegatron(model, optimizer, monitors="norms", budget=None, run=run)
     tokens, positions, labels, mask = batch(11 + dp_rank, seq=SEQ)
     model(tokens, positions, mask, labels=labels).float().mean().backward()
     for p in model.parameters():  # the data-parallel gradient average
@@ -246,8 +248,8 @@ def _run_distributed_optimizer(rank: int, world: int, case: str) -> dict[str, An
 
 
 @pytest.mark.parametrize("case", ["dp2", "tp2"])
-def test_norms_of_the_full_parameters_from_distributed_optimizer_shards(case):
-    ranks = spawn_gloo(_run_distributed_optimizer, 2, case, timeout_s=180)
+def test_norms_of_the_full_parameters_from_distributed_optimizer_shards(case, tmp_path):
+    ranks = spawn_gloo(_run_distributed_optimizer, 2, case, str(tmp_path / "run"), timeout_s=180)
     zero = ranks[0]
     for layer in range(2):
         key = f"monitors/layer_{layer:02d}"

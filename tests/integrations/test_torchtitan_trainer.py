@@ -9,7 +9,8 @@ and a dataset; what runs here is the real rest of it, in the Trainer's order: it
 gloo rank, the optimizer container, ``config.metrics.build``, then ``train_step``'s
 calls per step (zero_grad, ``should_log``, forward, backward, clip, step) and
 ``close``. Test shims: a stub device memory monitor (torchtitan's asks CUDA) and CPU
-meshes (torchtitan's device type falls back to "cuda").
+meshes (torchtitan's device type falls back to "cuda"). test_torchtitan_graphs.py runs
+the whole Trainer, with more shims and without FSDP2.
 """
 
 from __future__ import annotations
@@ -21,47 +22,7 @@ pytest.importorskip("torchtitan")
 from syncless.run import open as open_run
 from syncless.testing import spawn_gloo
 
-STEPS, LAYERS = 3, 2
-
-
-def _tiny_llama3():
-    from functools import partial
-
-    from torch import nn
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.common.nn_modules import RMSNorm
-    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers, parallelize_llama
-    from torchtitan.protocols.model_spec import ModelSpec
-
-    init = {"weight": partial(nn.init.normal_, std=0.05)}
-    layers = _build_llama3_layers(
-        n_layers=LAYERS, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=128,
-        rope=ComplexRoPE.Config(dim=16, max_seq_len=64), attn_backend="flex",
-    )  # fmt: skip
-    for layer in layers:  # flex has no CPU backward
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    model = Llama3Model.Config(
-        dim=64,
-        vocab_size=128,
-        tok_embeddings=Embedding.Config(num_embeddings=128, embedding_dim=64, param_init=init),
-        norm=RMSNorm.Config(normalized_shape=64, param_init={"weight": nn.init.ones_}),
-        lm_head=Linear.Config(in_features=64, out_features=128, param_init=init),
-        layers=layers,
-    )
-    return ModelSpec(
-        name="llama3", flavor="tiny", model=model, parallelize_fn=parallelize_llama,
-        pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None,
-    )  # fmt: skip
-
-
-class _NoDeviceMemory:
-    """Stands in for torchtitan's DeviceMemoryMonitor, which asks the CUDA module."""
-
-    device_name = "cpu"
-
-    def reset_peak_stats(self) -> None:
-        pass
+STEPS, LAYERS = 3, 2  # torchtitan_harness's llama3 has 2 layers
 
 
 def _rank(rank: int, world: int, run_dir: str) -> str:
@@ -76,16 +37,17 @@ def _rank(rank: int, world: int, run_dir: str) -> str:
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.activation_checkpoint import FullAC
     from torchtitan.trainer import Trainer
+    from torchtitan_harness import NoDeviceMemory, model_spec
 
     from syncless.integrations.torchtitan import SynclessMetricsProcessor
 
     # test shims: torchtitan falls back to "cuda" on a machine without an accelerator
-    titan_metrics.build_device_memory_monitor = _NoDeviceMemory
+    titan_metrics.build_device_memory_monitor = NoDeviceMemory
     titan_dims.device_type = "cpu"  # the meshes' device
     settings = json.dumps({"run_dir": run_dir})
     token = f"syncless.integrations.torchtitan.syncless_metrics={settings}"  # a CLI token
     config = Trainer.Config(
-        model_spec=_tiny_llama3(),
+        model_spec=model_spec("llama3"),
         training=TrainingConfig(local_batch_size=2, seq_len=16, steps=STEPS,
                                 disable_cuda_graphs=True),
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),

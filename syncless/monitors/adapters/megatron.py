@@ -26,7 +26,9 @@ Recognised by structure, without importing megatron: ``decoder.layers[i]`` block
 
 Not measured: attention under context parallelism (a rank's keys are a slice of the
 sequence, so its logits are not the softmax's; the attention site is left out with a
-warning) and packed sequences (``packed_seq_params``: calls are skipped).
+warning) and packed sequences (``packed_seq_params``: calls are skipped). Refused:
+Megatron's per-layer CUDA graphs (:func:`check_cuda_graphs`); one graph per iteration
+(``cuda_graph_scope="full_iteration"``) captures the hooks with the rest.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ class MegatronAdapter:
         gpt = find_gpt(model)
         if gpt is None:
             raise UsageError(f"{type(model).__name__} is not a Megatron-core GPTModel")
+        check_cuda_graphs(gpt.config)
         blocks = layer_list(gpt.decoder.layers) or []  # type: ignore[union-attr]
         config = gpt.config
         # ``first_layer`` is not added: Megatron numbers its layers globally already.
@@ -128,6 +131,65 @@ class MegatronAdapter:
             d_model=int(config.hidden_size),
             param_layout=param_layout,
         )
+
+
+def check_cuda_graphs(config: Any) -> None:
+    """A ``UsageError`` for Megatron-core's per-layer CUDA graphs (megatron-core 0.16).
+
+    ``cuda_graph_impl="local"`` gives each ``TransformerLayer`` a ``CudaGraphManager``
+    unless ``cuda_graph_scope`` is ``full_iteration``. Its graphs break the monitors
+    three ways. ``create_fwd_graph`` runs each layer ``cuda_graph_warmup_steps`` more
+    times, eagerly, on zero inputs: the hooks would count them into the first step.
+    At every replay, ``call_ddp_preforward_hook`` asserts that no module of the layer
+    has a forward pre-hook but Megatron DDP's, and the attention site is one. And a
+    capture of one layer ends before a grouped launch over all layers completes.
+    ``"transformer_engine"`` graphs each layer too (``make_graphed_callables``, after
+    warm-up iterations on sample inputs). One graph per iteration (``full_iteration``,
+    ``megatron.core.full_cuda_graph.FullCudaGraphWrapper``) captures the hooks with the
+    whole forward and backward: supported.
+    """
+    impl = str(getattr(config, "cuda_graph_impl", "none") or "none")
+    if impl == "none" or graphs_per_iteration(config):
+        return
+    names = _graph_scopes(config)
+    todo = (
+        "Use cuda_graph_impl='local' with cuda_graph_scope='full_iteration' (one graph per "
+        "iteration, megatron.core.full_cuda_graph.FullCudaGraphWrapper: the hooks are "
+        "captured with it), or cuda_graph_impl='none'"
+    )
+    if impl == "transformer_engine":
+        raise UsageError(
+            "syncless monitors: cuda_graph_impl='transformer_engine' is not supported. "
+            "TransformerEngine's make_graphed_callables captures each layer in graphs of "
+            "its own, after warm-up iterations on sample inputs that the monitors would "
+            "count into a step. " + todo
+        )
+    raise UsageError(
+        f"syncless monitors: Megatron-core's per-layer CUDA graphs "
+        f"(cuda_graph_impl={impl!r}, cuda_graph_scope={','.join(names) or 'full'!r}) are not "
+        "supported. Creating them re-runs each layer "
+        f"{getattr(config, 'cuda_graph_warmup_steps', 3)} times on zero inputs "
+        "(cuda_graph_warmup_steps), which the monitors would count into the first step. "
+        "Each replay asserts that no module of a layer has a forward pre-hook but "
+        "Megatron DDP's; the attention monitor reads q and k from one on core_attention. "
+        "And a monitor's grouped launch over all layers cannot complete inside one layer's "
+        "graph. " + todo
+    )
+
+
+def graphs_per_iteration(config: Any) -> bool:
+    """Whether ``config`` asks for one CUDA graph per training iteration
+    (``cuda_graph_impl="local"``, ``cuda_graph_scope="full_iteration"``)."""
+    impl = getattr(config, "cuda_graph_impl", "none")
+    return impl == "local" and "full_iteration" in _graph_scopes(config)
+
+
+def _graph_scopes(config: Any) -> list[str]:
+    """``cuda_graph_scope`` by name (``CudaGraphScope`` members after ``__post_init__``)."""
+    scopes = getattr(config, "cuda_graph_scope", None) or []
+    if isinstance(scopes, str):
+        scopes = scopes.split(",")
+    return [str(getattr(scope, "name", scope)) for scope in scopes]
 
 
 def param_layout(p: Tensor) -> Any:
