@@ -46,7 +46,7 @@ class OffsetRing:
     def _add_slot(self) -> None:
         host = torch.empty(self.size, dtype=torch.int64, pin_memory=self._cuda)
         self._host.append(host)
-        self._host_np.append(host.numpy())
+        self._host_np.append(host.numpy())  # syncless: ok a host tensor, viewed once per slot
         self._device.append(torch.empty(self.size, dtype=torch.int64, device=self._device_type))
         self._copied.append(torch.cuda.Event() if self._cuda else None)
 

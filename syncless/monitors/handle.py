@@ -327,8 +327,8 @@ class MonitorHandle:
     def _flush(self, step: int, wait: bool, copy: bool) -> list[Landed]:
         """The metric set's flush; every landed copy is checked for the alarm here, on
         the training thread, before any decode."""
+        self._steps_since_flush = 0  # taken by this flush, even one that fails
         landed = self.metrics.flush_landed(step, wait=wait, copy=copy)
-        self._steps_since_flush = 0
         for batch in self.ctx.batches:
             error = batch.take_error()
             if error is not None:
