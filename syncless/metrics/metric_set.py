@@ -213,17 +213,12 @@ class MetricSet:
         # The label of the step being recorded, for "first step" metrics (a NaN's step
         # stays on the device until the flush): set_step_label writes it.
         self.step_label = torch.zeros((), dtype=torch.float64, device=device)
-        if device.type == "cuda":
-            # torch.compile(mode="reduce-overhead") captures compiled regions in CUDA
-            # graphs and skips any that writes a tensor it does not know to stay put.
-            from torch._dynamo import mark_static_address
-
-            for t in (self.buffer, self.gates, self.gates_on, self.step_label):
-                mark_static_address(t)
         neg_inf = torch.full((), -torch.inf, dtype=torch.float64, device=device)
         for spec, offsets in zip(self._specs, self._offsets, strict=True):
             gate, gate_on = self.gate_views(self._gate_of.get(spec.key, ""))
             self._slots[spec.key].bind(self.buffer, offsets, gate, gate_on, neg_inf)
+        if device.type == "cuda":
+            self._static_for_compile()
         pin = device.type == "cuda"
         self._host = [
             torch.empty(self.buffer.numel(), dtype=torch.float64, pin_memory=pin)
@@ -232,6 +227,19 @@ class MetricSet:
         # numpy views made once here: reading the landed copy is then plain host memory
         # access, not a torch call a sync detector would have to reason about.
         self._host_np = [t.numpy() for t in self._host]
+
+    def _static_for_compile(self) -> None:
+        """Mark what hooks write and read as staying at its address. torch.compile's
+        ``mode="reduce-overhead"`` captures each compiled region in a CUDA graph, and
+        skips any region that writes an input it does not know to stay put (the hooks
+        write the slots' views of the buffer); reads of unmarked inputs cost a copy."""
+        from torch._dynamo import mark_static_address
+
+        tensors = [self.buffer, self.gates, self.gates_on, self.step_label]
+        tensors += [t for pair in self._gate_views for t in pair]
+        tensors += [t for slot in self._slots.values() for t in slot.views()]
+        for t in tensors:
+            mark_static_address(t)
 
     def _reset(self) -> None:
         # One copy from the identities (zeros, then -inf): one op where zero_ and fill_

@@ -54,6 +54,10 @@ class Slot:
         self._max = buffer[m : m + n] if m is not None else None
         self._gate, self._gate_on, self._neg_inf = gate, gate_on, neg_inf
 
+    def views(self) -> list[torch.Tensor]:
+        """The buffer views this slot records into (after ``bind``)."""
+        return [t for t in (self._sum, self._count, self._max) if t is not None]
+
     def narrow(self, start: int, width: int) -> Slot:
         """A slot over elements ``start .. start + width - 1`` of this one (allocated):
         a tensor-parallel shard records its heads or channels into its slice, and the

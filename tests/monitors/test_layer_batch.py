@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from syncless.graphs import StandInGraph
 from syncless.metrics import MetricSet
 from syncless.monitors.layer_batch import MAX_DEFERRED, LayerBatch
 
@@ -13,11 +14,15 @@ class _Group:
 
     def __init__(self) -> None:
         self.metrics = MetricSet()
-        self.folds: list[tuple[float, float]] = []
+        self._folds: list[tuple[torch.Tensor, float]] = []
         self.kernel_gate = None
 
     def fold(self, partials: torch.Tensor, n_samples: float) -> None:
-        self.folds.append((float(partials.sum()), n_samples))
+        self._folds.append((partials.sum(), n_samples))  # read later: no host read here
+
+    @property
+    def folds(self) -> list[tuple[float, float]]:
+        return [(float(total), n) for total, n in self._folds]
 
 
 def _batch(group: _Group) -> LayerBatch:
@@ -73,3 +78,33 @@ def test_tensors_off_16_byte_alignment_take_the_per_layer_path():
     batch.add(0, aligned[0])
     batch.add(1, shifted[1])
     assert (batch.grouped_launches, batch.single_launches) == (1, 2)
+
+
+def test_a_capture_that_ends_before_the_last_layer_is_dropped_and_reported():
+    """A graph per layer: the first layer's tensor was added during a capture that ended
+    before the second layer's. Launched at the flush, it would be read once, outside the
+    graph: it is dropped, and the handle gets an error saying what to do."""
+    group = _Group()
+    batch = _batch(group)
+    storage = torch.ones(2, 3, 4)
+    graph = StandInGraph()
+    with graph.capture():
+        batch.add(0, storage[0])
+    batch.finish()
+    assert group.folds == [] and batch.grouped_launches == 0
+    error = batch.take_error()
+    assert error is not None and "launch='layer'" in str(error)
+    assert batch.take_error() is None and batch.dropped_captured == 1
+
+
+def test_inside_a_capture_the_fold_is_not_deferred():
+    """A fold left to the flush would run once, outside the graph: inside a capture the
+    grouped launch folds at once (and so at every replay)."""
+    group = _Group()
+    batch = _batch(group)
+    storage = torch.ones(2, 3, 4)
+    graph = StandInGraph()
+    with graph.capture():
+        batch.add(0, storage[0])
+        batch.add(1, storage[1])
+    assert batch.grouped_launches == 1 and len(group.folds) == 1 and batch._unfolded == []

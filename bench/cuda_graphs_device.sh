@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue #45 in one device call: the CUDA tests of syncless inside CUDA graphs, then
+# bench/cuda_graphs.py (what graphs buy; the stack and the alarm inside graphs).
+#
+# Before the call, on the development machine (the device image has no torchtitan and
+# no network): the wheels bench/cuda_graphs.py's docstring lists, unpacked into
+# .wheels/site (git-ignored), e.g.
+#   pip download --no-deps --python-version 3.12 --only-binary=:all: -d .wheels \
+#       torchtitan==0.3.0 tyro==1.0.17 docstring_parser==0.18.0 spmd_types==0.2.3 typeguard==4.6.1
+#   for w in .wheels/*.whl; do python -m zipfile -e "$w" .wheels/site; done
+# The call (device tool): carry [".wheels"], about 9.5 minutes:
+#   SYNCLESS_COMMIT=<sha> bash bench/cuda_graphs_device.sh 230 --max-seconds 300 --rounds 3
+# Arguments: the seconds the tests may take, then bench/cuda_graphs.py's arguments (none:
+# no bench). Logs, the RESULTS lines and the raw JSON land in $OUT; append the lines to
+# bench/RESULTS.md here.
+set -o pipefail
+export PYTHONPATH=$PWD/.wheels/site:$PWD:$PWD/bench PYTHONUNBUFFERED=1
+export SYNCLESS_COMMIT=${SYNCLESS_COMMIT:-unknown}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+seconds=${1:-300}
+shift || true
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+start=$(date +%s)
+files=""
+for f in ${TESTS:-tests/monitors/test_graphs_cuda.py tests/integrations/test_torchtitan_graphs_cuda.py \
+  tests/profile/test_graph_sections_cuda.py tests/profile/test_profile_cuda.py \
+  tests/kernels/test_kernels_cuda.py tests/metrics/test_metric_set_cuda.py \
+  tests/monitors/test_budget.py tests/monitors/test_nonfinite_alarm.py \
+  tests/capture/test_engine_cuda.py tests/guard/test_cuda.py}; do
+  [ -e "$f" ] && files="$files $f"
+done
+# shellcheck disable=SC2086
+timeout "$seconds" python -m pytest -q -p no:cacheprovider -m cuda -rf $files 2>&1 |
+  tee "$OUT/tests.log" | tail -c 6000
+echo "tests took $(($(date +%s) - start)) s"
+if [ "$#" -gt 0 ]; then
+  SYNCLESS_RESULTS=$OUT/results.md python bench/cuda_graphs.py --json "$OUT/bench.json" "$@" 2>&1 |
+    tee "$OUT/bench.log" | tail -c 4000
+fi
