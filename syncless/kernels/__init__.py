@@ -39,9 +39,11 @@ __all__ = [
     "BACKENDS",
     "MAX_ROUTER_EXPERTS",
     "backend",
+    "band_update",
     "channel_absmax_partials",
     "channel_absmax_partials_grouped",
     "flat_view",
+    "grad_stats_partials",
     "interpreting",
     "nonfinite_partials",
     "nonfinite_partials_grouped",
@@ -56,6 +58,7 @@ __all__ = [
     "router_supported",
     "rows_view",
     "set_backend",
+    "spike_update",
     "triton_importable",
     "use_triton",
 ]
@@ -121,6 +124,12 @@ def nonfinite_partials(x: torch.Tensor, gate: torch.Tensor | None = None) -> tor
     return nonfinite_partials(x, gate)
 
 
+def grad_stats_partials(g: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    from syncless.kernels.gradients import grad_stats_partials
+
+    return grad_stats_partials(g, gate)
+
+
 def flat_view(x: torch.Tensor) -> torch.Tensor:
     from syncless.kernels.activations import flat_view
 
@@ -159,6 +168,18 @@ def qk_stats_partials_grouped(*args: Any, **kwargs: Any) -> torch.Tensor:
     from syncless.kernels.attention import qk_stats_partials_grouped
 
     return qk_stats_partials_grouped(*args, **kwargs)
+
+
+def band_update(*args: Any, **kwargs: Any) -> None:
+    from syncless.kernels.bands import band_update
+
+    band_update(*args, **kwargs)
+
+
+def spike_update(*args: Any, **kwargs: Any) -> None:
+    from syncless.kernels.bands import spike_update
+
+    spike_update(*args, **kwargs)
 
 
 def rope_rotate(

@@ -1,10 +1,13 @@
-"""One read of a layer's output: per-channel max |x|, or the count of NaN/Inf elements.
+"""One read of a layer's output: per-channel max |x| with the sums of x^2 and x^4, or the
+count of NaN/Inf elements.
 
 ``channel_absmax_partials``: programs tile ``[rows, channels]``; each reduces
 ``rows_per_program`` rows of ``BLOCK_C`` channels to their max |x|, so the partials are
-``[P, C]`` with ``P`` at most ``_MAX_PARTIALS`` (the fold then reads ``P * C`` floats,
+``[P, C + 2]`` with ``P`` at most ``_MAX_PARTIALS`` (the fold then reads ``P * C`` floats,
 under 1% of a ``[8192, 1024]`` bf16 activation). NaN is not propagated into the max
-(the nonfinite monitor counts it).
+(the nonfinite monitor counts it). The last two columns are the sums of x^2 and x^4
+over the program's rows and every channel, added atomically by its channel blocks:
+the moments the activations monitor's RMS and kurtosis come from, in the same read.
 
 ``nonfinite_partials``: programs split the flattened tensor; each counts its elements
 that are NaN or +-Inf. Partials ``[P, 1]``.
@@ -33,16 +36,23 @@ def _absmax_rows(
     x_ptr, pr, c, c_ok, R, sxr, ROWS_PER_PROGRAM,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Max |x| of channels ``c`` over this program's rows of ``x_ptr`` ``[R, C]``."""
+    """Max |x| of channels ``c`` over this program's rows of ``x_ptr`` ``[R, C]``, and
+    the sums of x^2 and x^4 over them (scalars)."""
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_C], dtype=tl.float32)
+    quad = tl.zeros([BLOCK_C], dtype=tl.float32)
     r0 = pr * ROWS_PER_PROGRAM
     r_end = tl.minimum(r0 + ROWS_PER_PROGRAM, R)
     for i in range(r0, r_end, BLOCK_R):
         r = i + tl.arange(0, BLOCK_R)
         ok = (r < r_end)[:, None] & c_ok[None, :]
         v = tl.load(x_ptr + r[:, None].to(tl.int64) * sxr + c[None, :], mask=ok, other=0.0)
-        acc = tl.maximum(acc, tl.max(tl.abs(v.to(tl.float32)), axis=0))
-    return acc
+        v = v.to(tl.float32)
+        acc = tl.maximum(acc, tl.max(tl.abs(v), axis=0))
+        v2 = v * v
+        sq += tl.sum(v2, axis=0)
+        quad += tl.sum(v2 * v2, axis=0)
+    return acc, tl.sum(sq, axis=0), tl.sum(quad, axis=0)
 
 
 # Row counts vary with the batch: not specialised (no mid-run recompile).
@@ -59,8 +69,11 @@ def _absmax_kernel(
     pr = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
-    acc = _absmax_rows(x_ptr, pr, c, c_ok, R, sxr, ROWS_PER_PROGRAM, BLOCK_R, BLOCK_C)
-    tl.store(out_ptr + pr.to(tl.int64) * C + c, acc, mask=c_ok)
+    acc, sq, quad = _absmax_rows(x_ptr, pr, c, c_ok, R, sxr, ROWS_PER_PROGRAM, BLOCK_R, BLOCK_C)
+    row = out_ptr + pr.to(tl.int64) * (C + 2)
+    tl.store(row + c, acc, mask=c_ok)
+    tl.atomic_add(row + C, sq)
+    tl.atomic_add(row + C + 1, quad)
 
 
 @triton.jit(do_not_specialize=["R", "ROWS_PER_PROGRAM"])
@@ -69,7 +82,8 @@ def _absmax_grouped_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """Layer ``program_id(2)`` reads ``x_ptr + offsets[layer]`` (elements) and writes its
-    partials at columns ``[layer * C, (layer + 1) * C)`` of ``out`` ``[P, L * C]``."""
+    partials at columns ``[layer * (C + 2), (layer + 1) * (C + 2))`` of the zeroed ``out``
+    ``[P, L * (C + 2)]``: its maxima, then its sums of x^2 and x^4."""
     # Off in this replay of a CUDA graph: return before reading (the fold of the same
     # gate drops the partials). Nested: GATED is a constexpr, the load exists only if on.
     if GATED:  # noqa: SIM102
@@ -80,8 +94,11 @@ def _absmax_grouped_kernel(
     layer = tl.program_id(2)
     c_ok = c < C
     base = x_ptr + tl.multiple_of(tl.load(offsets_ptr + layer), ALIGN)  # see attention
-    acc = _absmax_rows(base, pr, c, c_ok, R, sxr, ROWS_PER_PROGRAM, BLOCK_R, BLOCK_C)
-    tl.store(out_ptr + pr.to(tl.int64) * OUT_STRIDE + layer.to(tl.int64) * C + c, acc, mask=c_ok)
+    acc, sq, quad = _absmax_rows(base, pr, c, c_ok, R, sxr, ROWS_PER_PROGRAM, BLOCK_R, BLOCK_C)
+    row = out_ptr + pr.to(tl.int64) * OUT_STRIDE + layer.to(tl.int64) * (C + 2)
+    tl.store(row + c, acc, mask=c_ok)
+    tl.atomic_add(row + C, sq)
+    tl.atomic_add(row + C + 1, quad)
 
 
 @triton.jit(do_not_specialize=["R", "ROWS_PER_PROGRAM"])
@@ -90,9 +107,9 @@ def _output_grouped_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """Both reads of a layer output in one pass: per-channel max |x| at columns
-    ``[layer * (C + 1), layer * (C + 1) + C)`` and the NaN/Inf count, added atomically
-    by every channel block of the row block, at column ``layer * (C + 1) + C`` of the
-    zeroed ``out`` ``[P, L * (C + 1)]``."""
+    ``[layer * (C + 3), layer * (C + 3) + C)``, then the sums of x^2 and x^4 and the
+    NaN/Inf count, added atomically by every channel block of the row block, of the
+    zeroed ``out`` ``[P, L * (C + 3)]``."""
     # Off in this replay of a CUDA graph: return before reading (the fold of the same
     # gate drops the partials). Nested: GATED is a constexpr, the load exists only if on.
     if GATED:  # noqa: SIM102
@@ -104,6 +121,8 @@ def _output_grouped_kernel(
     c_ok = c < C
     base = x_ptr + tl.multiple_of(tl.load(offsets_ptr + layer), ALIGN)  # see attention
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_C], dtype=tl.float32)
+    quad = tl.zeros([BLOCK_C], dtype=tl.float32)
     bad = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
     r0 = pr * ROWS_PER_PROGRAM
     r_end = tl.minimum(r0 + ROWS_PER_PROGRAM, R)
@@ -113,11 +132,16 @@ def _output_grouped_kernel(
         v = tl.load(base + r[:, None].to(tl.int64) * sxr + c[None, :], mask=ok, other=0.0)
         v = v.to(tl.float32)
         acc = tl.maximum(acc, tl.max(tl.abs(v), axis=0))
+        v2 = v * v
+        sq += tl.sum(v2, axis=0)
+        quad += tl.sum(v2 * v2, axis=0)
         bad += ((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32)
-    row = out_ptr + pr.to(tl.int64) * OUT_STRIDE + layer.to(tl.int64) * (C + 1)
+    row = out_ptr + pr.to(tl.int64) * OUT_STRIDE + layer.to(tl.int64) * (C + 3)
     tl.store(row + c, acc, mask=c_ok)
+    tl.atomic_add(row + C, tl.sum(sq, axis=0))
+    tl.atomic_add(row + C + 1, tl.sum(quad, axis=0))
     # Exact in float32: a row block's count is at most ROWS_PER_PROGRAM * C << 2**24.
-    tl.atomic_add(row + C, tl.sum(tl.sum(bad, axis=1), axis=0).to(tl.float32))
+    tl.atomic_add(row + C + 2, tl.sum(tl.sum(bad, axis=1), axis=0).to(tl.float32))
 
 
 @triton.jit
@@ -179,13 +203,14 @@ def _row_split(rows: int) -> tuple[int, int]:
 
 @hot_path
 def channel_absmax_partials(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """Partials ``[P, C]`` of per-channel max |x| over every dimension but the last.
-    ``gate``: a float64 device flag; at 0 the kernel returns at once and leaves the
-    partials unwritten (the fold of the same gate skips them)."""
+    """Partials ``[P, C + 2]`` of per-channel max |x| over every dimension but the last,
+    then the sums of x^2 and x^4. ``gate``: a float64 device flag; at 0 the kernel
+    returns at once and leaves the partials unwritten (the fold of the same gate skips
+    them)."""
     x2 = rows_view(x)
     rows, channels = x2.shape
     per_program, n_partials = _row_split(rows)
-    out = torch.empty((n_partials, channels), dtype=torch.float32, device=x.device)
+    out = torch.zeros((n_partials, channels + 2), dtype=torch.float32, device=x.device)
     grid = (n_partials, triton.cdiv(channels, _BLOCK_C))
     _absmax_kernel[grid](
         out if gate is None else gate, x2, out, rows, channels, x2.stride(0), per_program,
@@ -224,18 +249,20 @@ def nonfinite_partials(x: torch.Tensor, gate: torch.Tensor | None = None) -> tor
 def channel_absmax_partials_grouped(
     first: torch.Tensor, offsets: torch.Tensor, n_layers: int, gate: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Partials ``[P, L * C]`` of ``L`` layers' ``[rows, channels]`` views in one launch.
+    """Partials ``[P, L * (C + 2)]`` of ``L`` layers' ``[rows, channels]`` views in one
+    launch: per layer its maxima, then its sums of x^2 and x^4.
 
     ``first`` is layer 0's view; layer ``l``'s view starts ``offsets[l]`` elements from
     it (an int64 device tensor) and has the same shape, dtype and row stride.
     """
     rows, channels = first.shape
     per_program, n_partials = _row_split(rows)
-    out = torch.empty((n_partials, n_layers * channels), dtype=torch.float32, device=first.device)
+    width = n_layers * (channels + 2)
+    out = torch.zeros((n_partials, width), dtype=torch.float32, device=first.device)
     grid = (n_partials, triton.cdiv(channels, _BLOCK_C), n_layers)
     _absmax_grouped_kernel[grid](
         out if gate is None else gate, first, offsets, out, rows, channels, first.stride(0),
-        per_program, n_layers * channels,
+        per_program, width,
         BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, ALIGN=16 // first.element_size(),
         GATED=gate is not None,
     )  # fmt: skip
@@ -263,11 +290,12 @@ def output_stats_partials_grouped(
     first: torch.Tensor, offsets: torch.Tensor, n_layers: int, gate: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``channel_absmax_partials_grouped`` and ``nonfinite_partials_grouped`` in one read:
-    partials ``[P, L * (C + 1)]``, per layer its ``C`` per-channel maxima then its NaN/Inf
-    count (``first``, ``offsets`` as there: ``[rows, channels]`` views)."""
+    partials ``[P, L * (C + 3)]``, per layer its ``C`` per-channel maxima, its sums of
+    x^2 and x^4, then its NaN/Inf count (``first``, ``offsets`` as there: ``[rows,
+    channels]`` views)."""
     rows, channels = first.shape
     per_program, n_partials = _row_split(rows)
-    width = n_layers * (channels + 1)
+    width = n_layers * (channels + 3)
     out = torch.zeros((n_partials, width), dtype=torch.float32, device=first.device)
     grid = (n_partials, triton.cdiv(channels, _BLOCK_C), n_layers)
     _output_grouped_kernel[grid](

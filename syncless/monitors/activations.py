@@ -1,9 +1,14 @@
-"""Massive activations: per-channel running max |x| of each layer's output.
+"""Massive activations: per-channel running max |x| of each layer's output, and its RMS
+and kurtosis.
 
-Hot path, per layer and step: one ``vector_norm(ord=inf)`` over every dimension but the
-channel one, folded into the layer's per-channel max (``where`` + ``clamp_``): 3 kernels
-and one read of the activation. Everything else (the largest channel, max/median ratio,
-channels above each threshold) is derived at flush from the cluster-wide vector.
+Hot path, per layer and step: one read of the activation (fused on CUDA: the per-channel
+max |x| and the sums of x^2 and x^4 in one kernel, one fold), folded into the layer's
+per-channel max and its two moments, ``act_m2`` and ``act_m4`` (means of x^2 and x^4
+with the exact element count). Everything else (the largest channel, max/median ratio,
+channels above each threshold, ``act_rms`` = sqrt(m2), ``act_kurtosis`` = m4 / m2^2 - 3,
+about 0 for a Gaussian) is derived at flush from the cluster-wide values. Each active
+step also compares every layer's RMS with its recent band (syncless.monitors.bands),
+for the attribution of a spike or a NaN to the layer that moved first.
 
 Tensor parallelism: when the channel dimension is sharded, pass ``channel_shard=(rank,
 world)``. Each rank then folds its channels into its own slice of the full-width vector
@@ -13,6 +18,7 @@ the whole vector: no collective of its own on the hot path.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,13 +29,17 @@ from torch.utils.hooks import RemovableHandle
 from syncless import kernels
 from syncless.graphs import capturing
 from syncless.hot_path import hot_path
-from syncless.metrics import Readout, Slot
+from syncless.metrics import Readout, Slot, layer_scope
 from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.adapters import ModelMap
+from syncless.monitors.bands import DEFAULT_BANDS, BandRule, LayerBands
 from syncless.monitors.base import AREA, MonitorContext, check_every
 from syncless.monitors.layer_batch import LayerBatch, launch_mode
 
 NAME = "act_channel_absmax"
+M2 = "act_m2"
+M4 = "act_m4"
+BAND = "act_band_first_step"
 
 
 def _threshold_label(t: float) -> str:
@@ -45,8 +55,15 @@ class ActivationsMonitor:
         thresholds: Sequence[float] = (20.0, 100.0, 500.0),
         channel_shard: tuple[int, int] | None = None,
         launch: str | None = None,
+        bands: BandRule | None = DEFAULT_BANDS,
     ) -> None:
         self.every = check_every(every)
+        self.band_rule = bands
+        self.bands: LayerBands | None = None
+        # per layer: the moments' slots (mean of x^2, of x^4) and the band's first step
+        self._moments: dict[int, tuple[Slot, Slot]] = {}
+        self._firsts: dict[int, Slot] = {}
+        self._moment_keys: list[tuple[int, str, str]] = []  # every rank's (layer, m2, m4)
         self.launch = launch_mode(launch)  # "grouped": syncless.monitors.layer_batch
         self.active = True
         self.thresholds = tuple(sorted(float(t) for t in thresholds))
@@ -82,7 +99,21 @@ class ActivationsMonitor:
                 AREA, NAME, "max", size=width, layer=site.index, element="channel",
                 emit_elements=False,
             )  # fmt: skip
+            self._moments[site.index] = (
+                ctx.metrics.declare(AREA, M2, "mean", layer=site.index),
+                ctx.metrics.declare(AREA, M4, "mean", layer=site.index),
+            )
+            if self.band_rule is not None:
+                self._firsts[site.index] = ctx.metrics.declare(
+                    AREA, BAND, "min", layer=site.index, derive_global=False
+                )
             self._layers.append(site.index)
+
+    def columns(self, layer: int, channels: Slot | None = None) -> list[Column]:
+        """Layer ``layer``'s columns in a fold, as the kernels write them: the channel
+        maxima (``channels``: a tensor-parallel rank's slice), then the two moments."""
+        m2, m4 = self._moments[layer]
+        return [Column(channels or self._slots[layer]), Column(m2), Column(m4)]
 
     def attach(self, ctx: MonitorContext) -> None:
         # Over every rank's layers (the allocated union): pipeline stages hold other
@@ -94,27 +125,46 @@ class ActivationsMonitor:
         self._derived_names = [
             [f"{AREA}/{spec.scope}/{n}" for n in names] for spec in specs.values()
         ]
+        self._moment_keys = [
+            (layer, spec.key, ctx.metrics.layer_specs(AREA, M4)[layer].key)
+            for layer, spec in ctx.metrics.layer_specs(AREA, M2).items()
+        ]
         groups: dict[int, SlotGroup] = {}
+        hooked: list[int] = []
         for site in ctx.model.layers:
             slot = self._slots[site.index]
             if self.channel_shard is not None:  # this rank's slice of the channels
                 rank, world = self.channel_shard
                 width = slot.spec.size // world
                 slot = slot.narrow(rank * width, width)
-            groups[site.index] = SlotGroup(ctx.metrics, [Column(slot)])
+            groups[site.index] = SlotGroup(ctx.metrics, self.columns(site.index, slot))
             ctx.attach_output(self, site, self._make_output_hook(site.index, slot, groups))
+            if not getattr(site, "output_replica", False):
+                hooked.append(site.index)
+
+        def single(layer: int, x: torch.Tensor) -> None:
+            group = groups[layer]
+            group.fold(kernels.channel_absmax_partials(x, group.kernel_gate), x.numel())
+
         if self.launch == "grouped" and self.channel_shard is None and self._layers:
             self._batch = LayerBatch(
                 self._layers,
-                SlotGroup(ctx.metrics, [Column(self._slots[i]) for i in self._layers]),
+                SlotGroup(ctx.metrics, [c for i in self._layers for c in self.columns(i)]),
                 view=lambda x: (kernels.rows_view(x),),
                 grouped=kernels.channel_absmax_partials_grouped,
-                single=lambda layer, x: groups[layer].fold(
-                    kernels.channel_absmax_partials(x, groups[layer].kernel_gate), 1
-                ),
+                single=single,
                 device=ctx.metrics.buffer.device,  # type: ignore[union-attr]
+                samples=lambda x: float(x.numel()),
             )
             ctx.batches.append(self._batch)
+        if self.band_rule is not None and hooked:
+            self.bands = LayerBands(
+                ctx.metrics,
+                {i: self._moments[i][0] for i in hooked},
+                {i: self._firsts[i] for i in hooked},
+                self.band_rule,
+            )
+            ctx.bands.append(self.bands)
 
     def _make_output_hook(self, layer: int, slot, groups: dict[int, SlotGroup]):
         @hot_path
@@ -131,11 +181,17 @@ class ActivationsMonitor:
                         return True
                     self._batch.add(layer, hidden)
                     return None
+                x = hidden.detach()
                 group = groups[layer]
-                group.fold(kernels.channel_absmax_partials(hidden.detach(), group.kernel_gate), 1)
+                group.fold(kernels.channel_absmax_partials(x, group.kernel_gate), x.numel())
                 return None
-            dims = tuple(range(hidden.dim() - 1))
-            slot.update(torch.linalg.vector_norm(hidden.detach(), ord=float("inf"), dim=dims))
+            x = hidden.detach()
+            dims = tuple(range(x.dim() - 1))
+            slot.update(torch.linalg.vector_norm(x, ord=float("inf"), dim=dims))
+            m2, m4 = self._moments[layer]
+            squares = x.float().square()
+            m2.add(squares.sum(), count=x.numel())
+            m4.add(squares.square().sum(), count=x.numel())
             return None
 
         return record
@@ -168,6 +224,21 @@ class ActivationsMonitor:
         keys = [n for r in rows.tolist() for n in names[r]]
         out = dict(zip(keys, table.ravel().tolist(), strict=True))
         out[f"{AREA}/global/act_absmax"] = float(top.max())
+        out.update(self._moment_records(readout))
+        return out
+
+    def _moment_records(self, readout: Readout) -> dict[str, float]:
+        """``act_rms`` and ``act_kurtosis`` of every layer with both moments."""
+        out: dict[str, float] = {}
+        for layer, m2_key, m4_key in self._moment_keys:
+            present = readout.present
+            if not (present[m2_key].all() and present[m4_key].all()):
+                continue
+            m2 = float(readout.values[m2_key][0])
+            m4 = float(readout.values[m4_key][0])
+            scope = f"{AREA}/{layer_scope(layer)}"
+            out[f"{scope}/act_rms"] = math.sqrt(m2) if m2 >= 0 else math.nan
+            out[f"{scope}/act_kurtosis"] = m4 / (m2 * m2) - 3.0 if m2 > 0 else math.nan
         return out
 
     def close(self) -> None:

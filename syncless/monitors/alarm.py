@@ -1,4 +1,4 @@
-"""The nonfinite alarm: what a readout says went NaN/Inf, and what the handle does then.
+"""The alarms: what a readout says went NaN/Inf or spiked, and what the handle does then.
 
 The nonfinite monitor counts at every step on the device; a readout (lagged, at the
 budget's cadence) carries the counts since the previous one, the first step each
@@ -7,10 +7,15 @@ given. :meth:`NonFiniteAlarm.check` reads those few values straight from the flu
 host copy (a handful of numpy reads on the training thread, before any decode), so
 the action does not wait for the readout thread.
 
-Actions (``attach(..., on_nonfinite=)``): ``"warn"`` prints one line (rank 0), the
-first time and then at most once a minute; ``"raise"`` also raises
-:class:`NonFiniteError` from ``handle.step`` once the readout's records are in the run
-store; a callable gets the :class:`NonFiniteEvent` on the training thread. With several
+A readout that carries a spike of the loss or the gradient norm (syncless.monitors.
+spikes) is a :class:`SpikeEvent`. Both kinds of event name the layer that moved first,
+where the device kept one (syncless.monitors.attribution).
+
+Actions (``attach(..., on_nonfinite=, on_spike=)``, one for each kind): ``"warn"``
+prints one line (rank 0), the first time and then at most once a minute; ``"raise"``
+also raises :class:`NonFiniteError` (:class:`SpikeError`) from ``handle.step`` once
+the readout's records are in the run store; a callable gets the event on the training
+thread. With several
 ranks, the raise and the callable happen at the same flush on every rank: the readout
 of the n-th flush is acted on at flush n + ``HOST_BUFFERS``, the flush by which every
 rank has certainly landed it (syncless.metrics.metric_set), where acting when it lands
@@ -19,16 +24,19 @@ would stop ranks at different steps and leave the others waiting in a collective
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from syncless.errors import UsageError
 from syncless.metrics import MetricSet
 from syncless.metrics.metric_set import HOST_BUFFERS, Landed
+from syncless.monitors.attribution import Attribution, Moved
 from syncless.monitors.base import AREA
 from syncless.monitors.nonfinite import CHECKED_VALUES, first_bad
 
@@ -37,7 +45,7 @@ from syncless.monitors.nonfinite import CHECKED_VALUES, first_bad
 WARN_EVERY_S = 60.0
 
 ACTIONS = ("warn", "raise")
-Action = str | Callable[["NonFiniteEvent"], object]
+Action = str | Callable[[Any], object]  # called with a NonFiniteEvent or a SpikeEvent
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,8 @@ class NonFiniteEvent:
     loss_first_step: int | None = None
     grad_norm_first_step: int | None = None
     grad_layers: tuple[int, ...] = ()
+    moved_first: Moved | None = None
+    """The layer that moved first, if the device kept one (its step labelled)."""
 
     @property
     def step(self) -> int:
@@ -85,6 +95,8 @@ class NonFiniteEvent:
             shown = ", ".join(map(str, self.grad_layers[:8]))
             more = f" and {len(self.grad_layers) - 8} more" if len(self.grad_layers) > 8 else ""
             parts.append(f"gradients of layer {shown}{more} at step {self.readout_step}")
+        if self.moved_first is not None:
+            parts.append(self.moved_first.describe())
         return f"NaN/Inf since the previous readout (read at step {self.readout_step}): " + (
             "; ".join(parts)
         )
@@ -101,12 +113,49 @@ class NonFiniteError(RuntimeError):
         self.event = event
 
 
-def check_action(action: Action) -> Action:
+@dataclass(frozen=True)
+class SpikeEvent:
+    """A spike of the loss or the total gradient norm (``value``), as one readout says:
+    ``count`` spikes since the readout before, the first at ``first_step``;
+    ``moved_first``: the layer that moved first, if the device kept one."""
+
+    readout_step: int
+    value: str
+    first_step: int
+    count: int
+    moved_first: Moved | None = None
+
+    @property
+    def step(self) -> int:
+        return self.first_step
+
+    def describe(self) -> str:
+        what = "loss" if self.value == "loss" else "gradient norm"
+        many = f" ({self.count} spikes)" if self.count > 1 else ""
+        moved = f"; {self.moved_first.describe()}" if self.moved_first is not None else ""
+        return (
+            f"{what} spike at step {self.first_step}{many}, read at step {self.readout_step}{moved}"
+        )
+
+
+class SpikeError(RuntimeError):
+    """Raised by ``handle.step`` under ``on_spike="raise"``; ``event`` says where."""
+
+    def __init__(self, event: SpikeEvent) -> None:
+        super().__init__(
+            f"{event.describe()}. The run's records up to that readout are in the run "
+            "store; the error comes a readout after the step (the check never syncs)."
+        )
+        self.event = event
+
+
+def check_action(action: Action, name: str = "on_nonfinite") -> Action:
     if callable(action) or action in ACTIONS:
         return action
+    event = "NonFiniteEvent" if name == "on_nonfinite" else "SpikeEvent"
     raise UsageError(
-        f"on_nonfinite={action!r}: expected 'warn', 'raise' or a callable taking a "
-        "syncless.monitors.NonFiniteEvent"
+        f"{name}={action!r}: expected 'warn', 'raise' or a callable taking a "
+        f"syncless.monitors.{event}"
     )
 
 
@@ -124,15 +173,26 @@ class NonFiniteAlarm:
         label: Callable[[float], int],
         emit: bool,
         ranks: int = 1,
+        on_spike: Action = "warn",
     ) -> None:
         self.action = check_action(action)
+        self.on_spike = check_action(on_spike, "on_spike")
         self.label = label
         self.emit = emit
         self.lag = HOST_BUFFERS if ranks > 1 else 0
-        self.events: list[NonFiniteEvent] = []  # every one, in order
-        self._due: list[tuple[int, NonFiniteEvent]] = []  # (act at flush, event)
-        self._last_warned: float | None = None
-        self._unwarned = 0
+        self.events: list[NonFiniteEvent | SpikeEvent] = []  # every one, in order
+        self._due: list[tuple[int, NonFiniteEvent | SpikeEvent]] = []  # (act at flush, event)
+        self._last_warned: dict[type, float] = {}
+        self._unwarned: dict[type, int] = {}
+        self._attribution = Attribution(metrics)
+        self._spike_at = {
+            v: (
+                _at(metrics, [f"{AREA}/step/{v}_spike_count"], 0),
+                _at(metrics, [f"{AREA}/step/{v}_spike_first_step"], 2),
+            )
+            for v in CHECKED_VALUES
+            if f"{AREA}/step/{v}_spike_count" in {spec.key for spec in metrics.specs}
+        }
         spec = metrics.layer_specs(AREA, "nonfinite_count")
         firsts = metrics.layer_specs(AREA, "nonfinite_first_step")
         self._layers = np.array(list(spec), dtype=np.int64)
@@ -157,8 +217,23 @@ class NonFiniteAlarm:
             _at(metrics, [s.key for s in sharded.values()], 1),
         )
 
-    def check(self, landed: Landed) -> NonFiniteEvent | None:
-        """The event in a flushed copy, or None (a few numpy reads: training thread)."""
+    def check(self, landed: Landed) -> list[NonFiniteEvent | SpikeEvent]:
+        """The events in a flushed copy (a few numpy reads: training thread)."""
+        nonfinite = self._nonfinite(landed)
+        events: list[NonFiniteEvent | SpikeEvent] = [] if nonfinite is None else [nonfinite]
+        for value, (count_at, first_at) in self._spike_at.items():
+            count = landed.host[count_at][0]
+            if count > 0:
+                first = self.label(float(-landed.host[first_at][0]))
+                events.append(SpikeEvent(landed.step, value, first, int(count)))
+        if events and self._attribution:
+            moved = self._attribution.in_buffer(landed.host)
+            if moved is not None:
+                labelled = Moved(float(self.label(moved.step)), moved.layer, moved.signal)
+                events = [dataclasses.replace(e, moved_first=labelled) for e in events]
+        return events
+
+    def _nonfinite(self, landed: Landed) -> NonFiniteEvent | None:
         host = landed.host
         found: dict = {}
         counts = host[self._count_at]
@@ -190,41 +265,48 @@ class NonFiniteAlarm:
         return tuple(sorted(bad))
 
     def landed(self, landed: Landed) -> None:
-        """Check a flushed copy; warn at once (rank 0) and schedule the action."""
-        event = self.check(landed)
-        if event is None:
-            return
-        self.events.append(event)
-        self._warn(event)
-        if self.action != "warn":
-            self._due.append((landed.index + self.lag, event))
+        """Check a flushed copy; warn at once (rank 0) and schedule the actions."""
+        for event in self.check(landed):
+            self.events.append(event)
+            self._warn(event)
+            if self._action_of(event) != "warn":
+                self._due.append((landed.index + self.lag, event))
 
-    def due(self, flushes: int | None) -> list[NonFiniteEvent]:
+    def _action_of(self, event: NonFiniteEvent | SpikeEvent) -> Action:
+        return self.on_spike if isinstance(event, SpikeEvent) else self.action
+
+    def due(self, flushes: int | None) -> list[NonFiniteEvent | SpikeEvent]:
         """Events to act on after ``flushes`` flushes (None: all, at close)."""
         now = [e for at, e in self._due if flushes is None or at < flushes]
         self._due = [(at, e) for at, e in self._due if flushes is not None and at >= flushes]
         return now
 
-    def act(self, event: NonFiniteEvent) -> None:
+    def act(self, event: NonFiniteEvent | SpikeEvent) -> None:
         """Raise or call the user's callable (the records are in the store already)."""
-        if self.action == "raise":
+        action = self._action_of(event)
+        if action == "raise":
+            if isinstance(event, SpikeEvent):
+                raise SpikeError(event)
             raise NonFiniteError(event)
-        if callable(self.action):
-            self.action(event)
+        if callable(action):
+            action(event)
 
-    def _warn(self, event: NonFiniteEvent) -> None:
+    def _warn(self, event: NonFiniteEvent | SpikeEvent) -> None:
+        """One line, then at most one a minute for each kind of event."""
+        kind = type(event)
         now = time.monotonic()
-        if self._last_warned is not None and now - self._last_warned < WARN_EVERY_S:
-            self._unwarned += 1
+        last = self._last_warned.get(kind)
+        if last is not None and now - last < WARN_EVERY_S:
+            self._unwarned[kind] = self._unwarned.get(kind, 0) + 1
             return
+        unwarned = self._unwarned.get(kind, 0)
         if self.emit:
+            what = "spikes" if kind is SpikeEvent else "NaN/Inf"
             also = (
-                f" ({self._unwarned} more readouts with NaN/Inf since the last line)"
-                if self._unwarned
-                else ""
+                f" ({unwarned} more readouts with {what} since the last line)" if unwarned else ""
             )
             print(f"syncless: {event.describe()}{also}", file=sys.stderr)
-        self._last_warned, self._unwarned = now, 0
+        self._last_warned[kind], self._unwarned[kind] = now, 0
 
 
 def _at(metrics: MetricSet, keys: list[str], part: int) -> np.ndarray:

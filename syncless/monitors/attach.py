@@ -41,6 +41,7 @@ def attach(
     background: bool | None = None,
     budget: float | None = DEFAULT_BUDGET,
     on_nonfinite: Action = "warn",
+    on_spike: Action = "warn",
 ) -> MonitorHandle:
     """Declare every monitor on every model chunk, allocate once, then attach hooks.
 
@@ -75,6 +76,11 @@ def attach(
     also raises :class:`~syncless.monitors.NonFiniteError` from the next ``step`` that
     follows the readout (lagged: never a sync to make it sooner); a callable is called
     with the :class:`~syncless.monitors.NonFiniteEvent` (syncless.monitors.alarm).
+
+    ``on_spike``: the same for a spike of the loss or the gradient norm handed to
+    ``handle.step`` (the nonfinite monitor's ``spikes`` rule, syncless.monitors.spikes):
+    ``"raise"`` raises :class:`~syncless.monitors.SpikeError`, a callable gets the
+    :class:`~syncless.monitors.SpikeEvent`.
     """
     if not monitors:
         raise ValueError("attach() needs at least one monitor")
@@ -82,11 +88,13 @@ def attach(
     if len(set(names)) != len(names):
         raise ValueError(f"each monitor may be attached once; got {names}")
     check_action(on_nonfinite)
-    if on_nonfinite != "warn" and not any(isinstance(m, NonFiniteMonitor) for m in monitors):
-        raise UsageError(
-            f"on_nonfinite={on_nonfinite!r} needs the nonfinite monitor: add "
-            "monitors.NonFiniteMonitor() (or build([..., 'nonfinite']))"
-        )
+    check_action(on_spike, "on_spike")
+    for name, action in (("on_nonfinite", on_nonfinite), ("on_spike", on_spike)):
+        if action != "warn" and not any(isinstance(m, NonFiniteMonitor) for m in monitors):
+            raise UsageError(
+                f"{name}={action!r} needs the nonfinite monitor: add "
+                "monitors.NonFiniteMonitor() (or build([..., 'nonfinite']))"
+            )
     check_same_monitors(monitors, group, budget)
     model_map = find_layers(model, layer_offsets=layer_offsets)
     if device is None:
@@ -136,6 +144,7 @@ def attach(
         emit=is_main,
         background=background,
         on_nonfinite=on_nonfinite,
+        on_spike=on_spike,
     )
     handle.idle = idle
     if background and model_map.layers:

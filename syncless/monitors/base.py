@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from syncless.graphs import capturing
 from syncless.metrics import MetricSet, Readout
 from syncless.monitors.adapters import LayerSite, ModelMap
+from syncless.monitors.bands import LayerBands
 from syncless.monitors.budget import Budget
 from syncless.monitors.failures import Failures
 from syncless.monitors.layer_batch import LayerBatch
@@ -68,6 +69,9 @@ class MonitorContext:
     host_ns: dict[str, int] = field(default_factory=dict)
     # Grouped launches (``launch="grouped"``) the handle completes before each flush.
     batches: list[LayerBatch] = field(default_factory=list)
+    # Per-layer bands the handle updates at every step, after the backward
+    # (syncless.monitors.bands).
+    bands: list[LayerBands] = field(default_factory=list)
     # The overhead budget (``attach(..., budget=)``): which monitors' hooks are timed on
     # the device this step, and where their timing events go.
     budget: Budget | None = None
@@ -81,7 +85,9 @@ class MonitorContext:
     # Exceptions caught in hooks (and, through the handle, in step, readout and close).
     failures: Failures = field(default_factory=Failures)
 
-    def timed(self, monitor: str, hook: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(
+        self, monitor: str, hook: Callable[..., Any], backward: bool = False
+    ) -> Callable[..., Any]:
         """``hook`` billing its host time to ``monitor`` (two clock reads, ~0.1 us).
 
         The stack reports its own cost (``monitors/self/<name>_hook_host_ms``): on a
@@ -89,7 +95,8 @@ class MonitorContext:
         steps the budget times ``monitor`` (``Budget.timing``), a pair of timing events
         around the call measures its device work too. An exception from ``hook`` is
         counted (``monitors/self/<name>_hook_errors_count``), not raised into the
-        model's forward (syncless.monitors.failures).
+        model's forward (syncless.monitors.failures). ``backward``: a gradient hook, which
+        runs inside the backward by nature (a forward hook there is a recompute's).
         """
         ledger = self.host_ns
         ledger.setdefault(monitor, 0)
@@ -106,7 +113,7 @@ class MonitorContext:
                 # (issue #20: 6 breaks on a 2-layer Llama); compiled code is not billed.
                 ctx.compiled = True  # replayed by dynamo after the graph: one store
                 return hook(*args, **kwargs)
-            if recomputing():
+            if not backward and recomputing():
                 skips[monitor] += 1
                 return None
             if capturing(cuda):

@@ -17,6 +17,7 @@ from syncless.errors import UsageError
 from syncless.graphs import capturing
 from syncless.metrics import Landed, Readout
 from syncless.monitors.alarm import Action, NonFiniteAlarm
+from syncless.monitors.attribution import Attribution
 from syncless.monitors.base import AREA, Monitor, MonitorContext
 from syncless.monitors.nonfinite import CHECKED_VALUES, NonFiniteMonitor
 from syncless.monitors.silence import SilentMonitors
@@ -74,6 +75,7 @@ class MonitorHandle:
         emit: bool,
         background: bool = False,
         on_nonfinite: Action = "warn",
+        on_spike: Action = "warn",
     ) -> None:
         self.monitors = list(monitors)
         self.ctx = ctx
@@ -120,14 +122,19 @@ class MonitorHandle:
         self._cuda = ctx.metrics.buffer is not None and ctx.metrics.buffer.is_cuda
         # Monitors active at each flushed step, for the silent-monitor check at readout.
         self._active_at: dict[int, list[str]] = {}
+        # Metrics whose values are step labels the device wrote (by name: *_first_step).
+        self._step_keys = [
+            spec.key for spec in ctx.metrics.specs if spec.name.endswith("_first_step")
+        ]
         self.silent = SilentMonitors(ctx.metrics, [m.name for m in self.monitors], emit)
+        self._attribution = Attribution(ctx.metrics)
         ranks = (
             dist.get_world_size(ctx.metrics.group)
             if dist.is_available() and dist.is_initialized()
             else 1
         )
         self.alarm = (
-            NonFiniteAlarm(self.metrics, on_nonfinite, self.label, emit, ranks)
+            NonFiniteAlarm(self.metrics, on_nonfinite, self.label, emit, ranks, on_spike)
             if self.nonfinite is not None
             else None
         )
@@ -214,8 +221,10 @@ class MonitorHandle:
 
         Raises :class:`~syncless.monitors.NonFiniteError` under
         ``on_nonfinite="raise"`` when a readout landed since the last call found a NaN
-        or Inf, after its records reached the run. Raises ``UsageError`` inside a CUDA
-        graph capture: call it after the replay, outside the captured region.
+        or Inf, after its records reached the run; :class:`~syncless.monitors.SpikeError`
+        likewise under ``on_spike="raise"`` for a spike of the loss or the gradient
+        norm. Raises ``UsageError`` inside a CUDA graph capture: call it after the
+        replay, outside the captured region.
         """
         if capturing(self._cuda):
             raise UsageError(
@@ -244,6 +253,8 @@ class MonitorHandle:
             return StepRecords()
         if self.paused:  # readouts of steps before the pause still land, and go out
             return self._collect(block=False)
+        for bands in self.ctx.bands:  # this step's RMS of each layer against its band
+            bands.update()
         self._last_step = step
         self.optimizer_steps += 1
         self._steps_since_flush += 1
@@ -293,7 +304,7 @@ class MonitorHandle:
     def _arm_next(self, step: int) -> None:
         """The device's label and every monitor's cadence for the next step (also after
         a failed step: a monitor left active would record at every step from then on)."""
-        if self.always_on:
+        if self.always_on or self.ctx.bands:  # they write step labels on the device
             self._next_label = step + 1
             self.metrics.set_step_label(self._next_label)
         self._set_cadence(self.optimizer_steps)
@@ -329,6 +340,8 @@ class MonitorHandle:
         the training thread, before any decode."""
         self._steps_since_flush = 0  # taken by this flush, even one that fails
         landed = self.metrics.flush_landed(step, wait=wait, copy=copy)
+        for bands in self.ctx.bands:
+            bands.after_flush()
         for batch in self.ctx.batches:
             error = batch.take_error()
             if error is not None:
@@ -343,12 +356,13 @@ class MonitorHandle:
         return self._relabels.get(device_label, int(device_label))
 
     def _relabel(self, readout: Readout) -> None:
-        """Step-valued metrics of ``readout`` as ``step`` labelled the steps."""
-        if not self._relabels or self.nonfinite is None or readout.layout is None:
+        """Step-valued metrics of ``readout`` (``*_first_step``: labels the device wrote)
+        as ``step`` labelled the steps."""
+        if not self._relabels or readout.layout is None:
             return
         values = readout.flat_values
         assert values is not None
-        for key in self.nonfinite.step_keys:
+        for key in self._step_keys:
             start, end = readout.layout.slices[key]
             for i in range(start, end):
                 values[i] = self._relabels.get(float(values[i]), values[i])
@@ -460,6 +474,12 @@ class MonitorHandle:
         active = self._active_at.pop(r.step, None)
         if active is not None:
             self.silent.check(r, active)
+        moved = self._attribution.in_readout(r) if self._attribution else None
+        if moved is not None:
+            records.add(
+                name, r.step, rank, [f"{AREA}/step/moved_first_step", f"{AREA}/step/moved_first_layer"],
+                [moved.step, float(moved.layer)], now,
+            )  # fmt: skip
         for m in self.monitors:
             derived = self._derive(m, r)
             unchecked = derived.keys() - self._checked_names

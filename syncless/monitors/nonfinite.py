@@ -20,12 +20,14 @@ step end: ``alert`` is its device tensor, which training code may use on the dev
 (e.g. ``torch.where`` to skip an update) without a sync.
 
 ``check_values`` (``handle.step(step, loss=, grad_norm=)``) checks a scalar the step
-produced the same way: one partials launch and one fold each on CUDA.
+produced the same way: one partials launch and one fold each on CUDA; and, with
+``spikes`` (the default), whether it is a spike against its last finite values
+(syncless.monitors.spikes): one launch more each, the device's ring and counts only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -39,6 +41,7 @@ from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.adapters import ModelMap
 from syncless.monitors.base import AREA, MonitorContext, check_every
 from syncless.monitors.layer_batch import LayerBatch, launch_mode
+from syncless.monitors.spikes import DEFAULT_SPIKES, SpikeRule, ValueSpikes
 
 #: Scalars ``handle.step`` may hand over for an every-step check.
 CHECKED_VALUES = ("loss", "grad_norm")
@@ -51,8 +54,23 @@ class NonFiniteMonitor:
     # fixed cost per step (syncless.monitors.budget).
     always_on = True
 
-    def __init__(self, every: int = 1, launch: str | None = None) -> None:
+    def __init__(
+        self,
+        every: int = 1,
+        launch: str | None = None,
+        spikes: SpikeRule | Mapping[str, SpikeRule] | None = DEFAULT_SPIKES,
+    ) -> None:
         self.every = check_every(every)
+        # value -> its rule (one rule for both; None: no spike check)
+        self.spike_rules: dict[str, SpikeRule] = (
+            {}
+            if spikes is None
+            else dict.fromkeys(CHECKED_VALUES, spikes)
+            if isinstance(spikes, SpikeRule)
+            else dict(spikes)
+        )
+        self._spike_slots: dict[str, tuple[Slot, Slot]] = {}  # value -> count, first step
+        self.spikes: dict[str, ValueSpikes] = {}
         self.active = True
         self.watching = True  # False while the handle is paused
         self.launch = launch_mode(launch)  # "grouped": syncless.monitors.layer_batch
@@ -92,6 +110,11 @@ class NonFiniteMonitor:
                 ctx.metrics.declare(AREA, f"{value}_nonfinite_count", "sum"),
                 ctx.metrics.declare(AREA, f"{value}_nonfinite_first_step", "min"),
             )
+            if value in self.spike_rules:
+                self._spike_slots[value] = (
+                    ctx.metrics.declare(AREA, f"{value}_spike_count", "sum"),
+                    ctx.metrics.declare(AREA, f"{value}_spike_first_step", "min"),
+                )
 
     @property
     def alert(self) -> torch.Tensor:
@@ -118,6 +141,10 @@ class NonFiniteMonitor:
         self._value_groups = {
             value: SlotGroup(ctx.metrics, [Column(count, first=first)])
             for value, (count, first) in self._values.items()
+        }
+        self.spikes = {
+            value: ValueSpikes(ctx.metrics, count, first, self.spike_rules[value])
+            for value, (count, first) in self._spike_slots.items()
         }
         for site in ctx.model.layers:
             slot = self._slots[site.index]
@@ -186,6 +213,9 @@ class NonFiniteMonitor:
                 group.fold(kernels.nonfinite_partials(x, group.kernel_gate), 1)
             else:
                 self._count(x, *self._values[name])
+            spikes = self.spikes.get(name)
+            if spikes is not None:
+                spikes.update(x)
 
     def end_step(self) -> None:
         """A step that was not flushed: the alert starts the next step afresh (a flush

@@ -26,7 +26,7 @@ import torch
 
 from syncless import kernels
 from syncless.graphs import capturing
-from syncless.metrics.slot_group import Column, SlotGroup
+from syncless.metrics.slot_group import SlotGroup
 from syncless.monitors.activations import ActivationsMonitor
 from syncless.monitors.base import Monitor, MonitorContext
 from syncless.monitors.layer_batch import LayerBatch
@@ -56,13 +56,14 @@ def fuse_output_reads(ctx: MonitorContext, monitors: Sequence[Monitor]) -> Layer
         acts._layers,
         SlotGroup(
             ctx.metrics,
-            [c for i in acts._layers for c in (Column(acts._slots[i]), nonf.column(i))],
+            [c for i in acts._layers for c in (*acts.columns(i), nonf.column(i))],
         ),
         view=lambda x: (kernels.rows_view(x),),
         grouped=kernels.output_stats_partials_grouped,
         single=single,
         device=ctx.metrics.buffer.device,  # type: ignore[union-attr]
         accepts=lambda x: x.shape[1] == width and kernels.output_counts_exact(*x.shape),
+        samples=lambda x: float(x.numel()),  # the moments' element count
     )
     acts.share(shared, partner=nonf)  # nonfinite's own callback runs only without it
     ctx.batches.append(shared)

@@ -9,7 +9,7 @@ import torch
 from syncless.errors import UsageError
 from syncless.monitors.base import Monitor
 
-MONITORS = ("attention", "moe", "activations", "nonfinite", "norms")
+MONITORS = ("attention", "moe", "activations", "nonfinite", "norms", "gradients")
 
 
 def parse_names(names: str | Sequence[str]) -> list[str]:
@@ -37,6 +37,7 @@ def build(
     """Instantiate built-in monitors with their default cadences (or ``every``)."""
     from syncless.monitors.activations import ActivationsMonitor
     from syncless.monitors.attention import AttentionMonitor
+    from syncless.monitors.gradients import GradientsMonitor
     from syncless.monitors.moe import MoEMonitor
     from syncless.monitors.nonfinite import NonFiniteMonitor
     from syncless.monitors.norms import NormsMonitor
@@ -52,6 +53,8 @@ def build(
             out.append(ActivationsMonitor(**cadence))
         elif name == "nonfinite":
             out.append(NonFiniteMonitor(**cadence))
+        elif name == "gradients":
+            out.append(GradientsMonitor(**cadence))
         elif name == "norms":
             if optimizer is None:
                 raise UsageError(

@@ -183,6 +183,17 @@ class LayerSite:
         """
         return [self.block.register_forward_hook(_make_output_hook(callback))]
 
+    def attach_output_grad(self, callback: TensorCallback) -> list[RemovableHandle]:
+        """Call ``callback(grad)`` with the gradient arriving at the block's output, in
+        the backward: a tensor hook, registered on each forward's output that requires
+        grad (an evaluation forward registers none).
+
+        Under activation checkpointing it counts once either way. Non-reentrant: the
+        forward's output is in the graph the backward walks, and a recompute's copies
+        are only read for saved tensors (their hooks never fire). Reentrant: the
+        forward runs without grad (no hook), the recompute with it (one hook)."""
+        return [self.block.register_forward_hook(_make_output_grad_hook(callback))]
+
 
 @dataclass
 class ModelMap:
@@ -245,5 +256,15 @@ def _make_output_hook(
         # The output's Python type, not a tensor value: a structural branch.
         hidden = output[0] if isinstance(output, (tuple, list)) else output
         callback(hidden.detach())  # type: ignore[union-attr]
+
+    return output_hook
+
+
+def _make_output_grad_hook(callback: TensorCallback):
+    def output_hook(module: nn.Module, args: tuple[Tensor, ...], output: object) -> None:
+        # The output's Python type and requires_grad, not a tensor value: structural.
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(hidden, Tensor) and hidden.requires_grad:
+            hidden.register_hook(callback)  # the callback returns None: g is unchanged
 
     return output_hook
