@@ -164,3 +164,45 @@ def test_a_clean_run_shows_no_banner(tmp_path) -> None:
     assert "nonfinite" not in "\n".join(summary(run_dir)).lower()
     page = report.build(run_dir)
     assert banner(page) is None and 'class="alarm"' not in page
+
+
+def spiked() -> Records:
+    """The gradient norm spikes at step 10 (readout 10), where layer 2 moved first at
+    step 10; the loss spikes at step 13 (readout 14), where layer 1 moved at step 12."""
+    out = clean()
+    out[0][10] |= {
+        "monitors/step/grad_norm_spike_count": 1.0,
+        "monitors/step/grad_norm_spike_first_step": 10.0,
+        "monitors/step/moved_first_step": 10.0,
+        "monitors/step/moved_first_layer": 2.0,
+    }
+    out[0][14] |= {
+        "monitors/step/loss_spike_count": 1.0,
+        "monitors/step/loss_spike_first_step": 13.0,
+        "monitors/step/moved_first_step": 12.0,
+        "monitors/step/moved_first_layer": 1.0,
+    }
+    return out
+
+
+def test_spikes_and_the_layer_that_moved_first_head_the_summary(tmp_path) -> None:
+    records = spiked()
+    run_dir = write(tmp_path / "run", records)
+    _, grad_norm = earliest(records, "monitors/step/grad_norm_spike_first_step")
+    _, loss = earliest(records, "monitors/step/loss_spike_first_step")
+    # the layer named by the readout of the earliest spike, not by a later one
+    first_read = min(
+        (v, s)
+        for s, values in records[0].items()
+        for k, v in values.items()
+        if k.endswith("_spike_first_step")
+    )[1]
+    moved = records[0][first_read]
+    expected = [
+        f"First loss spike: step {loss:.0f}",
+        f"First gradient norm spike: step {grad_norm:.0f}",
+        f"Layer that moved first: layer {moved['monitors/step/moved_first_layer']:.0f}, "
+        f"at step {moved['monitors/step/moved_first_step']:.0f}",
+    ]
+    assert summary(run_dir)[: len(expected)] == expected
+    assert banner(report.build(run_dir)) == expected
