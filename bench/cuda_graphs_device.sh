@@ -26,7 +26,7 @@ start=$(date +%s)
 files=""
 for f in ${TESTS:-tests/monitors/test_graphs_cuda.py tests/integrations/test_torchtitan_graphs_cuda.py \
   tests/profile/test_graph_sections_cuda.py tests/profile/test_profile_cuda.py \
-  tests/kernels/test_kernels_cuda.py tests/metrics/test_metric_set_cuda.py \
+  tests/kernels/test_kernels_cuda.py tests/kernels/test_alarm_kernels_cuda.py tests/metrics/test_metric_set_cuda.py \
   tests/monitors/test_budget.py tests/monitors/test_nonfinite_alarm.py \
   tests/capture/test_engine_cuda.py tests/guard/test_cuda.py}; do
   [ -e "$f" ] && files="$files $f"
