@@ -122,15 +122,6 @@ class NonFiniteMonitor:
         assert self._alert is not None and self._alert._max is not None, "allocate() first"
         return self._alert._max
 
-    @property
-    def step_keys(self) -> tuple[str, ...]:
-        """Keys whose values are step labels (the handle maps the device's labels to
-        the ones ``step`` was given, where they differ)."""
-        return (
-            *self._first_keys,
-            *(first.spec.key for _, first in self._values.values()),
-        )
-
     def attach(self, ctx: MonitorContext) -> None:
         alert = self._alert
         assert alert is not None
