@@ -8,6 +8,8 @@
 #   pip download --no-deps --python-version 3.12 --only-binary=:all: -d .wheels \
 #       torchtitan==0.3.0 tyro==1.0.17 docstring_parser==0.18.0 spmd_types==0.2.3 typeguard==4.6.1
 #   for w in .wheels/*.whl; do python -m zipfile -e "$w" .wheels/site; done
+#   pip download --no-deps --python-version 3.12 --only-binary=:all: \
+#       --platform manylinux_2_27_x86_64 -d .wheels duckdb==2.0.1   # installed, not unpacked
 # The call (device tool): carry [".wheels"], about 9.5 minutes:
 #   SYNCLESS_COMMIT=<sha> bash bench/cuda_graphs_device.sh 230 --max-seconds 300 --rounds 3
 # Arguments: the seconds the tests may take, then bench/cuda_graphs.py's arguments (none:
@@ -21,7 +23,9 @@ mkdir -p "$OUT"
 seconds=${1:-300}
 shift || true
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
-python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+# the image has no duckdb (the run store's reader): its wheel travels in .wheels too
+python -c "import duckdb" 2>/dev/null || pip install -q --no-deps .wheels/duckdb-*.whl
+python -c "import torch, triton, transformers, duckdb, pyarrow; print(torch.__version__, triton.__version__, transformers.__version__, duckdb.__version__)"
 start=$(date +%s)
 files=""
 for f in ${TESTS:-tests/monitors/test_graphs_cuda.py tests/integrations/test_torchtitan_graphs_cuda.py \

@@ -2,8 +2,10 @@
 the NaN/Inf count, as partials ``[P, 3]`` that one fold turns into the layer's slots.
 
 Programs split the flattened gradient; each writes its sum of g^2 (float32 over at most
-``PER_PROGRAM`` elements, summed in float64 by the fold), its max |g| (NaN does not
-propagate into it: the count says there was one) and its count of NaN/Inf elements.
+``PER_PROGRAM`` elements, summed in float64 by the fold), its max |g| and its count of
+NaN/Inf elements. The sum and the max are over the finite elements: the count says how
+many were not, and the finite part stays readable at the step it went wrong (an H100 run
+of the first version, which let Inf into the max, reported the max as Inf: no scale).
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ def _grad_stats_kernel(
     for i in range(start, end, BLOCK):
         o = i + tl.arange(0, BLOCK)
         v = tl.load(g_ptr + o, mask=o < end, other=0.0).to(tl.float32)
-        sq += v * v
-        top = tl.maximum(top, tl.abs(v))
-        bad += ((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32)
+        a = tl.abs(v)
+        finite = a < float("inf")  # False for NaN too
+        a = tl.where(finite, a, 0.0)
+        sq += a * a
+        top = tl.maximum(top, a)
+        bad += (~finite).to(tl.int32)
     row = out_ptr + program.to(tl.int64) * 3
     tl.store(row, tl.sum(sq, axis=0))
     tl.store(row + 1, tl.max(top, axis=0))

@@ -11,7 +11,8 @@ one partials launch and one fold per layer) into three metrics per layer:
   all micro-batches of an accumulated step (derived at flush from ``grad_out_sq``,
   the mean of g^2 with its exact element count);
 - ``monitors/layer_XX/grad_out_absmax``: max |g|;
-- ``monitors/layer_XX/grad_out_nonfinite_count``: NaN/Inf elements.
+- ``monitors/layer_XX/grad_out_nonfinite_count``: NaN/Inf elements (the mean square
+  and the max are over the finite elements, so they keep a scale at the step a NaN came).
 
 Like the nonfinite alarm it records at every step (``always_on``: the budget takes its
 cost as fixed, and plans only its readout). Each step the handle compares every
@@ -22,6 +23,10 @@ is attributed to the layer that moved first.
 Layers are read one by one, as the backward reaches them: holding every layer's
 gradient to read them in one launch would keep a step's worth of activation-sized
 tensors alive that the backward frees as it goes.
+
+Across ranks each element is counted once: every rank adds the elements it holds (its
+batch, its sequence slice, a DTensor's local shard), and copies are left to one rank
+(``LayerSite.output_replica``, a replicated DTensor off its mesh's first rank).
 """
 
 from __future__ import annotations
@@ -30,13 +35,16 @@ import math
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from syncless import kernels
+from syncless.errors import UsageError
 from syncless.graphs import capturing
 from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot, layer_scope
 from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.adapters import ModelMap
+from syncless.monitors.adapters.sites import own_elements
 from syncless.monitors.bands import DEFAULT_BANDS, BandRule, LayerBands
 from syncless.monitors.base import AREA, MonitorContext, check_every
 
@@ -89,7 +97,7 @@ class GradientsMonitor:
                 continue
             sq, absmax, nonfinite = self._slots[site.index]
             group = SlotGroup(ctx.metrics, [Column(sq), Column(absmax), Column(nonfinite)])
-            record = self._make_hook(sq, absmax, nonfinite, group)
+            record = self._make_hook(site.index, sq, absmax, nonfinite, group)
             ctx.handles += site.attach_output_grad(ctx.timed(self.name, record, backward=True))
             hooked[site.index] = sq
         if self.band_rule is not None and hooked:
@@ -97,18 +105,28 @@ class GradientsMonitor:
             self.bands = LayerBands(ctx.metrics, hooked, firsts, self.band_rule)
             ctx.bands.append(self.bands)
 
-    def _make_hook(self, sq: Slot, absmax: Slot, nonfinite: Slot, group: SlotGroup):
+    def _make_hook(self, layer: int, sq: Slot, absmax: Slot, nonfinite: Slot, group: SlotGroup):
         @hot_path
         def record(grad: torch.Tensor) -> None:
             if not self.watching and not capturing(grad.is_cuda):
                 return
-            g = grad.detach()
+            g = own_elements(grad.detach())
+            if g is None:  # another rank's copy
+                return
+            if isinstance(g, DTensor):
+                raise UsageError(
+                    f"layer {layer}: the gradient at the block output is a partial sum "
+                    f"({g.placements}): no rank holds its elements, and reading it would "
+                    "take a collective in the hook"
+                )
             n = g.numel()  # a shape: not a tensor value
             if kernels.use_triton(g):
                 group.fold(kernels.grad_stats_partials(g, group.kernel_gate), n)
                 return
-            sq.add(torch.linalg.vector_norm(g, dtype=torch.float32).square(), count=n)
-            absmax.update(torch.linalg.vector_norm(g, ord=float("inf"), dtype=torch.float32))
+            # As the kernel: the sum and the max over the finite elements, the rest counted
+            finite = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
+            sq.add(torch.linalg.vector_norm(finite, dtype=torch.float32).square(), count=n)
+            absmax.update(torch.linalg.vector_norm(finite, ord=float("inf"), dtype=torch.float32))
             nonfinite.add(torch.count_nonzero(g - g))
 
         return record

@@ -27,11 +27,9 @@ def test_grad_stats_match_a_recount(dtype):
     p = kernels.grad_stats_partials(g).double()
     finite = g[torch.isfinite(g)].double()
     assert int(p[:, 2].sum()) == 2
+    # the sum and the max over the finite elements (the count says the rest)
     assert math.isclose(float(p[:, 1].max()), float(finite.abs().max()), rel_tol=1e-6)
-    clean = torch.where(torch.isfinite(g), g, 0).double()
-    # the sum of squares is NaN with a NaN in it (the count says so); recount without
-    q = kernels.grad_stats_partials(clean.to(dtype)).double()
-    assert math.isclose(float(q[:, 0].sum()), float(clean.square().sum()), rel_tol=1e-5)
+    assert math.isclose(float(p[:, 0].sum()), float(finite.square().sum()), rel_tol=1e-5)
 
 
 def _bands(device: str, fused: bool, series: torch.Tensor) -> torch.Tensor:

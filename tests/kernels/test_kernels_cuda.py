@@ -119,7 +119,9 @@ def test_fused_record_replays_in_a_cuda_graph():
     bad = ms.declare("t", "x_nonfinite_count", "sum")
     alert = ms.declare("t", "alert_count", "max")
     ms.allocate("cuda")
-    peak_group = SlotGroup(ms, [Column(peak)])
+    m2 = ms.declare("t", "x_m2", "mean")
+    m4 = ms.declare("t", "x_m4", "mean")
+    peak_group = SlotGroup(ms, [Column(peak), Column(m2), Column(m4)])  # the kernel's columns
     bad_group = SlotGroup(ms, [Column(bad, also_max=alert)])
     x = torch.randn(512, 256, device="cuda")
 

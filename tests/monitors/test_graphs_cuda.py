@@ -113,6 +113,11 @@ class Trainer:
         self.records: list = []
 
     def forward_backward(self) -> torch.Tensor:
+        if self.forward is not self.model:
+            # reduce-overhead's graphs reuse their outputs' memory at the next call: a new
+            # iteration must be marked, or the backward reads a tensor that was overwritten
+            # (what a user's loop does too; torch's docs for mode="reduce-overhead")
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", torch.bfloat16):
             logits = self.forward(self.tokens)[0]
         loss = torch.nn.functional.cross_entropy(
@@ -264,7 +269,7 @@ def test_the_budget_measures_replays_from_step_times():
 def test_capture_inside_a_graph_keeps_its_clear_error(tmp_path):
     from syncless.capture import CaptureEngine
 
-    engine = CaptureEngine(ring_bytes=1 << 20, staging_bytes=1 << 20, device="cuda")
+    engine = CaptureEngine(1 << 20, 1 << 20, str(tmp_path / "run"), device="cuda")
     x = torch.ones(256, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with (

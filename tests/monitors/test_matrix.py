@@ -45,12 +45,15 @@ PAIRS = list(itertools.combinations(MONITORS, 2))
 EVERY_SET = [*SINGLES, *PAIRS, ("all",)]
 FEW_SETS = [*SINGLES, ("all",)]
 # What each monitor records per layer, and what none of the others records.
+# How each monitor's per-layer records start (prefixes: the gradients monitor's
+# grad_out_nonfinite_count is not the nonfinite monitor's)
 MARKERS = {
     "attention": "attn_",
     "moe": "moe_",
     "activations": "act_",
     "nonfinite": "nonfinite",
     "norms": "param_norm",
+    "gradients": "grad_out_",
 }
 
 
@@ -138,6 +141,7 @@ def check_cell(family: Family, monitors: tuple[str, ...], cell: Cell, world: int
         "activations": True,
         "nonfinite": True,
         "norms": True,
+        "gradients": True,
     }
     if any(applies[n] for n in names):  # else nothing is flushed, so nothing recorded
         assert cell.records.get("monitors/self/errors_count") == 0.0
@@ -154,7 +158,7 @@ def check_cell(family: Family, monitors: tuple[str, ...], cell: Cell, world: int
         n for n in cell.records if n.startswith(("monitors/layer_", "monitors/global"))
     ]
     for name in MONITORS:
-        recorded = [n for n in layer_records if MARKERS[name] in n.split("/")[2]]
+        recorded = [n for n in layer_records if n.split("/")[2].startswith(MARKERS[name])]
         if name not in names or not applies[name]:
             assert not recorded, f"{name} recorded {recorded[:3]}"
     layers = range(family.n_layers)
@@ -178,6 +182,11 @@ def check_cell(family: Family, monitors: tuple[str, ...], cell: Cell, world: int
         for i in layers:
             assert cell.records[at(i, "nonfinite_count")] == 0
         assert cell.records["monitors/step/loss_nonfinite_count"] == 0
+    if "gradients" in names:
+        for i in layers:
+            rms, peak = cell.records[at(i, "grad_out_rms")], cell.records[at(i, "grad_out_absmax")]
+            assert 0 < rms <= peak and math.isfinite(peak), f"layer {i}: rms {rms}, max {peak}"
+            assert cell.records[at(i, "grad_out_nonfinite_count")] == 0
     if "norms" in names:
         got = [cell.records[at(i, "param_norm")] for i in layers]
         assert got == pytest.approx(cell.norms, rel=1e-5)

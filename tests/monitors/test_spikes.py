@@ -155,9 +155,7 @@ def test_on_spike_raise_and_callable(kernel_backend):
         pytest.skip("end to end on the torch path: the kernel is checked against the rule above")
     model = _llama()
     seen: list[SpikeEvent] = []
-    handle = attach(
-        model, [NonFiniteMonitor()], lagged=False, budget=None, on_spike=seen.append
-    )
+    handle = attach(model, [NonFiniteMonitor()], lagged=False, budget=None, on_spike=seen.append)
     _train(handle, model, 45, {40: 5.0})
     assert [(e.value, e.first_step) for e in seen] == [("loss", 40)]
     model = _llama()

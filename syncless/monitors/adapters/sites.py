@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 QKCallback = Callable[[Tensor, Tensor], None]
@@ -179,7 +180,8 @@ class LayerSite:
         """Call ``callback(hidden)`` with the block's output hidden state ``[..., d_model]``.
 
         Blocks that return a tuple (``(hidden, aux)``, older Hugging Face layers) give
-        its first element.
+        its first element. A DTensor output gives this rank's own elements, or no call
+        where they are another rank's copy (:func:`own_elements`).
         """
         return [self.block.register_forward_hook(_make_output_hook(callback))]
 
@@ -191,7 +193,13 @@ class LayerSite:
         Under activation checkpointing it counts once either way. Non-reentrant: the
         forward's output is in the graph the backward walks, and a recompute's copies
         are only read for saved tensors (their hooks never fire). Reentrant: the
-        forward runs without grad (no hook), the recompute with it (one hook)."""
+        forward runs without grad (no hook), the recompute with it (one hook). Megatron's
+        full recompute enables grad inside its no-grad forward (bias-dropout-add), so
+        that forward's outputs get a hook too; the backward never walks their graph,
+        and only the recompute's hook fires.
+
+        The gradient of a DTensor output is a DTensor: the callback takes this rank's
+        part itself (:func:`own_elements`), inside its error handling."""
         return [self.block.register_forward_hook(_make_output_grad_hook(callback))]
 
 
@@ -249,13 +257,38 @@ def _make_logits_hook(
     return logits_hook
 
 
+def own_elements(t: Tensor) -> Tensor | None:
+    """The elements of ``t`` this rank measures: ``t`` itself unless it is a DTensor.
+
+    A DTensor (block outputs under torchtitan's ``full_dtensor`` backend, activations
+    under tensor parallelism on DTensors) gives its local shard (``to_local``: a view;
+    a statistic of the DTensor itself would be a collective in the hook), or ``None``
+    where that shard is a copy of another rank's (``Replicate`` on a mesh dimension
+    where this rank is not the first): the flush's reduce then counts every element
+    once. A partial sum (a ``Partial`` placement) comes back as the DTensor: no rank
+    holds its elements, and the monitor's hook reports that it cannot read it. The
+    placements are Python metadata fixed by the parallelisation: no sync.
+    """
+    if not isinstance(t, DTensor):
+        return t
+    mesh = t.device_mesh
+    for dim, placement in enumerate(t.placements):
+        if placement.is_partial():
+            return t
+        if placement.is_replicate() and mesh.get_local_rank(dim) != 0:
+            return None
+    return t.to_local()
+
+
 def _make_output_hook(
     callback: TensorCallback,
 ) -> Callable[[nn.Module, tuple[Tensor, ...], object], None]:
     def output_hook(module: nn.Module, args: tuple[Tensor, ...], output: object) -> None:
         # The output's Python type, not a tensor value: a structural branch.
         hidden = output[0] if isinstance(output, (tuple, list)) else output
-        callback(hidden.detach())  # type: ignore[union-attr]
+        own = own_elements(hidden.detach())  # type: ignore[union-attr]
+        if own is not None:
+            callback(own)
 
     return output_hook
 
