@@ -20,6 +20,16 @@ EP_SPLITS = ("auto", "drain", "static", "static-paced", "lookahead")
 # How the routed experts run (syncless.demo.experts): auto is grouped GEMMs where
 # torch._grouped_mm needs no host sync (sm90/sm100 in bf16, CPU), else padded.
 EXPERT_IMPLS = ("auto", "grouped", "padded", "loop")
+# How the router is kept balanced (docs/demo.md, "Load balancing"): bias is DeepSeek-V3's
+# auxiliary-loss-free bias with the sequence-wise loss beside it, aux the loss alone
+# (the demo's default before issue 46), none neither.
+BALANCE_MODES = ("bias", "aux", "none")
+# The bias step per optimizer step. DeepSeek-V3 used 1e-3 over ~10^5 steps; the demo's
+# runs last 120-300 steps. Measured on the CPU (bench/demo_balance.py, small preset,
+# 120 steps, largest expert share of a layer's picks over steps 55-64 / 110-119;
+# balanced 12.5%): 1e-3 18.6-38.1% / 14.5-16.7%, 3e-3 17.1-23.2% / 14.1-15.3%, 1e-2
+# 16.5-19.7% / 14.9-16.6%; --balance aux 19.5-34.5% / 18.2-24.7%.
+DEFAULT_BIAS_UPDATE_SPEED = 3e-3
 # Pacing points (MoE layers) the host may run ahead under static-paced. Provisional:
 # bench/pacing_ep.py sweeps it on GPUs and has not been run yet.
 DEFAULT_RUN_AHEAD = 2
@@ -35,7 +45,10 @@ class DemoConfig:
     top_k: int = 2
     expert_hidden: int = 128
     shared_expert: bool = True
-    aux_loss_coef: float = 0.01
+    balance: str = "bias"  # bias | aux | none (BALANCE_MODES)
+    # --balance bias: the bias step per optimizer step (DeepSeek-V3's gamma)
+    bias_update_speed: float = DEFAULT_BIAS_UPDATE_SPEED
+    aux_loss_coef: float = 0.01  # the sequence-wise balance loss's weight (bias and aux)
     expert_impl: str = "auto"  # auto | grouped | padded | loop (syncless.demo.experts)
     capacity_factor: float = 0.0  # padded: rows per expert over the mean; 0 = exact, no drops
     # data and optimisation
@@ -88,6 +101,14 @@ class DemoConfig:
             f"--dtype must be auto, fp32 or bf16, got {self.dtype!r}",
         )
         need(self.corpus_mb > 0, f"--corpus-mb must be > 0, got {self.corpus_mb}")
+        need(
+            self.balance in BALANCE_MODES,
+            f"--balance must be one of {', '.join(BALANCE_MODES)}, got {self.balance!r}",
+        )
+        need(
+            self.bias_update_speed > 0,
+            f"--bias-update-speed must be > 0, got {self.bias_update_speed}",
+        )
         need(
             self.expert_impl in EXPERT_IMPLS,
             f"--expert-impl must be one of {', '.join(EXPERT_IMPLS)}, got {self.expert_impl!r}",

@@ -82,18 +82,35 @@ class Attention(nn.Module):
 class Router(nn.Module):
     """Softmax router: top-k experts per token and their renormalised weights.
 
+    ``bias=True`` (``--balance bias``, DeepSeek-V3's auxiliary-loss-free balancing):
+    the buffer ``expert_bias`` is added to the probabilities for the top-k choice only.
+    The weights are the unbiased probabilities of the chosen experts, so the bias takes
+    no gradient and the gate's gradient is that of the same choice without it. Each
+    forward adds its picks per expert to ``expert_load`` on the device;
+    :class:`ExpertBalancer` moves the bias from them after each optimizer step.
+
     ``fixed=True`` (``--fix-router``, for benchmarks) ignores the scores: token t goes
     to experts ``(t*k + j) mod E`` for j < k with weight 1/k, the same plan in every
     layer and step and balanced whenever E divides T*k. The gate still runs, so the
     compute, the monitors' view of the router and the balance loss stay defined (with
-    perfectly balanced counts the loss is 1 and has no gradient).
+    perfectly balanced counts the loss is 1 and has no gradient). A fixed router has
+    no bias.
     """
 
-    def __init__(self, d_model: int, n_experts: int, top_k: int, fixed: bool = False) -> None:
+    def __init__(
+        self, d_model: int, n_experts: int, top_k: int, fixed: bool = False, bias: bool = False
+    ) -> None:
         super().__init__()
         self.top_k = top_k
         self.fixed = fixed
         self.gate = nn.Linear(d_model, n_experts, bias=False)
+        balanced = bias and not fixed
+        # The bias is training state (saved with the model); the load is the picks
+        # since the last update, summed over the ranks before it is used.
+        self.register_buffer("expert_bias", torch.zeros(n_experts) if balanced else None)
+        self.register_buffer(
+            "expert_load", torch.zeros(n_experts) if balanced else None, persistent=False
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, d] -> (weights [T, k], experts [T, k] int64, probs [T, E] fp32)."""
@@ -101,7 +118,16 @@ class Router(nn.Module):
         if self.fixed:
             experts = fixed_routing(x.shape[0], self.top_k, probs.shape[-1], x.device)
             return probs.new_full(experts.shape, 1.0 / self.top_k), experts, probs
-        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.expert_bias is None:
+            weights, experts = probs.topk(self.top_k, dim=-1)
+        else:
+            experts = (probs.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
+            weights = probs.gather(-1, experts)
+            # index_add_, not bincount: bincount reads its maximum back on CUDA. Under
+            # activation checkpointing the recomputed forward adds its picks again:
+            # every load doubles, and the update reads only their signs against the mean.
+            flat = experts.reshape(-1)
+            self.expert_load.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts, probs
 
@@ -110,6 +136,46 @@ def fixed_routing(tokens: int, top_k: int, n_experts: int, device: torch.device)
     """[tokens, top_k] expert ids: token t -> (t*k + j) mod E (distinct while k <= E)."""
     t = torch.arange(tokens, device=device).unsqueeze(1)
     return (t * top_k + torch.arange(top_k, device=device)) % n_experts
+
+
+class ExpertBalancer:
+    """DeepSeek-V3's auxiliary-loss-free load balancing over a model's biased routers.
+
+    After each optimizer step, in every layer, ``bias_i += speed * sign(mean load -
+    load_i)``: an expert that took more than its share of the picks since the last
+    update becomes less likely to be chosen, one that took less more likely. Then the
+    loads restart. All on the device: nothing is read back.
+
+    The loads must be global before the update. The trainer passes :attr:`loads` to
+    the step's gradient all_reduce (``parallel.sync_gradients(..., also=)``): no
+    collective of their own, and every rank moves its bias the same way.
+
+    Example::
+
+        balancer = ExpertBalancer(model, speed=1e-3)
+        loss.backward()
+        sync_gradients(model, expert_parallel, also=balancer.loads)
+        optimizer.step()
+        balancer.step()
+    """
+
+    def __init__(self, model: nn.Module, speed: float) -> None:
+        self.speed = speed
+        self.routers = [m for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+
+    @property
+    def loads(self) -> list[torch.Tensor]:
+        """Each biased router's picks per expert since the last update (device)."""
+        return [r.expert_load for r in self.routers]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if not self.routers:
+            return
+        loads = torch.stack(self.loads)  # [layers, experts]
+        moves = (loads.mean(dim=-1, keepdim=True) - loads).sign_().mul_(self.speed)
+        torch._foreach_add_([r.expert_bias for r in self.routers], list(moves.unbind(0)))
+        torch._foreach_zero_(self.loads)
 
 
 class SwiGLU(nn.Module):
@@ -136,7 +202,13 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts = cfg.n_experts
         self.top_k = cfg.top_k
-        self.router = Router(cfg.d_model, cfg.n_experts, cfg.top_k, fixed=cfg.fix_router)
+        self.router = Router(
+            cfg.d_model,
+            cfg.n_experts,
+            cfg.top_k,
+            fixed=cfg.fix_router,
+            bias=cfg.balance == "bias",
+        )
         self.dispatcher = dispatcher
         self.experts = Experts(
             dispatcher.local_experts(cfg.n_experts),

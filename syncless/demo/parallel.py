@@ -10,6 +10,7 @@ losses).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -63,18 +64,25 @@ def split_grads(
     return dense, sharded
 
 
-def sync_gradients(model: nn.Module, expert_parallel: bool) -> None:
-    """Average dense gradients across ranks; rescale sharded expert gradients."""
+def sync_gradients(
+    model: nn.Module, expert_parallel: bool, also: Sequence[torch.Tensor] = ()
+) -> None:
+    """Average dense gradients across ranks; rescale sharded expert gradients.
+
+    ``also``: tensors averaged in place in the same all_reduce (the routers'
+    expert loads, ``model.ExpertBalancer.loads``): no collective of their own.
+    """
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
     world = dist.get_world_size()
     dense, sharded = split_grads(model, expert_parallel)
-    if dense:
-        flat = torch.cat([g.reshape(-1) for g in dense])
+    averaged = dense + list(also)
+    if averaged:
+        flat = torch.cat([t.reshape(-1) for t in averaged])
         dist.all_reduce(flat)
         flat.div_(world)
-        for g, synced in zip(dense, flat.split([g.numel() for g in dense]), strict=True):
-            g.copy_(synced.view_as(g))
+        for t, synced in zip(averaged, flat.split([t.numel() for t in averaged]), strict=True):
+            t.copy_(synced.view_as(t))
     if sharded:
         torch._foreach_div_(sharded, world)
 

@@ -21,7 +21,7 @@ from syncless.demo.data import BatchSampler, stdlib_corpus
 from syncless.demo.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from syncless.demo.experts import Experts, resolve_impl
 from syncless.demo.flops import Peak, flops_per_token, peak_for
-from syncless.demo.model import MoETransformer, init_weights
+from syncless.demo.model import ExpertBalancer, MoETransformer, init_weights
 from syncless.demo.parallel import (
     clip_grad_norm,
     init_distributed,
@@ -216,6 +216,8 @@ def _train_in(
     with torch.device(device):  # built in place: no CPU init and copy of every weight
         model = MoETransformer(cfg, dispatcher)
     init_weights(model, cfg.seed)
+    balancer = ExpertBalancer(model, cfg.bias_update_speed)  # no router biased: a no-op
+    aux_loss_coef = 0.0 if cfg.balance == "none" else cfg.aux_loss_coef
     optimizer = _optimizer(model, cfg, device)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     corpus = stdlib_corpus(int(cfg.corpus_mb * 2**20))
@@ -264,13 +266,15 @@ def _train_in(
                 logits, balance = model(inputs)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
             with prof.section("backward"):
-                (loss + cfg.aux_loss_coef * balance).backward()
+                (loss + aux_loss_coef * balance if aux_loss_coef else loss).backward()
             with prof.section("grad_sync", category="collective"):
-                sync_gradients(model, expert_parallel)
+                # The routers' expert loads ride in the gradient all_reduce.
+                sync_gradients(model, expert_parallel, also=balancer.loads)
                 grad_norm = clip_grad_norm(model, cfg.grad_clip, expert_parallel)
             with prof.section("optimizer"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                balancer.step()
             lr = schedule.get_last_lr()[0]
             schedule.step()
             demo_ctx.checked = {"loss": loss.detach(), "grad_norm": grad_norm}

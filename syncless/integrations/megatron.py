@@ -34,10 +34,16 @@ CUDA graphs: one per iteration (``cuda_graph_scope="full_iteration"``, Megatron'
 ``FullCudaGraphWrapper`` passed to ``forward_backward``) captures the monitors' hooks
 with the schedule. Megatron's per-layer graphs are refused at construction
 (``check_cuda_graphs`` in the Megatron adapter says why).
+
+Each iteration's loss and gradient norm reach ``handle.step`` as device tensors (the
+nonfinite alarm checks them): the loss reduced over the micro-batches from what the
+schedule returns, the norm from what Megatron's ``optimizer.step()`` returns
+(:func:`reduced_loss`, :meth:`SynclessMegatron.optimizer_step`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,8 +64,12 @@ from syncless.monitors.norms import NormsMonitor
 from syncless.monitors.norms_sharding import REPLICATED, Layout
 from syncless.run import Run, StepRecords
 
+log = logging.getLogger(__name__)
+
 # Megatron's timer names for pipeline communications all end in -send or -recv.
 _COMMUNICATION_SUFFIXES = ("-send", "-recv")
+# The loss Megatron-LM's pretrain_gpt reports (its loss_func's dict key).
+LM_LOSS = "lm loss"
 
 
 def is_communication(name: str) -> bool:
@@ -257,6 +267,34 @@ def _shard_replicas(model_param: nn.Parameter) -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
+def reduced_loss(losses: Sequence[Any], key: str | None = None) -> torch.Tensor | None:
+    """The iteration's loss from what the schedule returned, reduced on the device.
+
+    ``losses``: one dict per micro-batch, what ``loss_func`` returned last
+    (``forward_backward_func``'s result on the last pipeline stage; empty elsewhere).
+    The value under ``key`` (default: ``"lm loss"``, else the dicts' only key) is
+    reduced as Megatron-LM's ``train_step`` does: a ``[sum, tokens]`` pair per
+    micro-batch gives the sum over the tokens, a scalar the mean over micro-batches.
+    This rank's loss: Megatron-LM also averages the pair over data-parallel ranks,
+    a collective left out here. None when there is no tensor to reduce (a Python
+    number was read back already).
+    """
+    dicts = [d for d in losses if isinstance(d, dict)]
+    if not dicts:
+        return None
+    if key is None:
+        key = LM_LOSS if LM_LOSS in dicts[0] or len(dicts[0]) != 1 else next(iter(dicts[0]))
+    values = [d.get(key) for d in dicts]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return None
+    with torch.no_grad():
+        rows = torch.stack([v.detach().reshape(-1).float() for v in values])
+        if rows.shape[1] == 2:
+            total = rows.sum(dim=0)
+            return total[0] / total[1].clamp(min=1)
+        return rows.mean()
+
+
 class SynclessMegatron:
     """The monitors, a profiler and a capture engine in a Megatron-core loop.
 
@@ -272,6 +310,8 @@ class SynclessMegatron:
         profiler: a ``syncless.profile.Profiler``; ``step()`` closes its step.
         capture: a ``syncless.capture.CaptureEngine``; its window pattern is learnt
             from the first training iteration's pipeline communications.
+        loss_key: the key of the loss in the dicts ``loss_func`` returns (default:
+            ``"lm loss"``, else their only key); see :func:`reduced_loss`.
     """
 
     def __init__(
@@ -284,6 +324,7 @@ class SynclessMegatron:
         budget: float | None = DEFAULT_BUDGET,
         profiler: Any = None,
         capture: Any = None,
+        loss_key: str | None = None,
     ) -> None:
         self.chunks = list(model) if isinstance(model, Sequence) else [model]
         self.config = model_config(self.chunks)
@@ -303,6 +344,11 @@ class SynclessMegatron:
         self.iterations = 0
         self.validations = 0
         self._step_open = False  # a profiler step this object began
+        # This iteration's loss and gradient norm, device tensors for handle.step.
+        self.loss_key = loss_key
+        self.loss: torch.Tensor | None = None
+        self.grad_norm: torch.Tensor | None = None
+        self._no_loss_told = False
 
     def _monitors(self, names: list[str], optimizer: Any) -> list[Any]:
         if "norms" not in names:
@@ -343,13 +389,25 @@ class SynclessMegatron:
         self.timers.training = True
         self.timers.boundaries = 0
         try:
-            return function(*args, **kwargs)
+            losses = function(*args, **kwargs)
         finally:
             self.timers.training = False
             first = self.iterations == 0
             self.iterations += 1
             if first and self.capture is not None and self.timers.boundaries:
                 self.capture.define_pattern(communication_windows(self.timers.boundaries))
+        # Reduced now, into a tensor of its own: under FullCudaGraphWrapper the dicts
+        # hold the graph's static outputs, which the next replay overwrites.
+        self.loss = reduced_loss(losses or [], self.loss_key)
+        if self.loss is None and losses and not self._no_loss_told:
+            self._no_loss_told = True
+            log.warning(
+                "syncless: no loss tensor under key %r in what loss_func returned "
+                "(keys: %s): pass SynclessMegatron(loss_key=...), or step(loss=...)",
+                self.loss_key or LM_LOSS,
+                sorted(losses[0]) if isinstance(losses[0], dict) else type(losses[0]).__name__,
+            )
+        return losses
 
     def _validate(self, function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         self.validations += 1
@@ -364,19 +422,57 @@ class SynclessMegatron:
             self.handle.resume()
 
     def optimizer_step(self, optimizer: Any) -> Any:
-        """``optimizer.step()`` in an ``optimizer`` profiler section; its result."""
-        if self.profiler is None:
-            return optimizer.step()
-        with self.profiler.section("optimizer"):
-            return optimizer.step()
+        """``optimizer.step()`` in an ``optimizer`` profiler section; its result.
 
-    def step(self, iteration: int) -> StepRecords:
+        A Megatron optimizer returns ``(success, grad_norm, zeros)``; the norm is the
+        total norm before clipping, which Megatron has already read to the host
+        (``get_grad_norm_fp32`` ends in ``.item()``). It goes back to the device as a
+        fill, a kernel argument: no copy, no sync. A skipped step (an fp16 overflow)
+        has no norm. A torch optimizer returns none: pass ``step(grad_norm=...)``.
+        """
+        if self.profiler is None:
+            result = optimizer.step()
+        else:
+            with self.profiler.section("optimizer"):
+                result = optimizer.step()
+        self.grad_norm = self._device_norm(result)
+        return result
+
+    def _device_norm(self, result: Any) -> torch.Tensor | None:
+        if not (isinstance(result, tuple) and len(result) == 3):
+            return None
+        norm = result[1]
+        if isinstance(norm, torch.Tensor):
+            return norm
+        if not isinstance(norm, int | float):
+            return None
+        device = next(self.chunks[0].parameters()).device
+        return torch.full((), float(norm), dtype=torch.float32, device=device)
+
+    def step(
+        self,
+        iteration: int,
+        *,
+        loss: torch.Tensor | None = None,
+        grad_norm: torch.Tensor | None = None,
+    ) -> StepRecords:
         """Once per training iteration, after the optimizer step; the monitors' records
-        read back by this call (``MonitorHandle.step``)."""
+        read back by this call (``MonitorHandle.step``).
+
+        ``loss``/``grad_norm``: device tensors in place of what this object took from
+        the schedule's result and ``optimizer_step`` (with a torch optimizer, the
+        result of your ``clip_grad_norm_``). The nonfinite alarm checks both."""
         if self._step_open:
             self.profiler.end_step()
             self._step_open = False
-        return self.handle.step(iteration)
+        values = {
+            "loss": loss if loss is not None else self.loss,
+            "grad_norm": grad_norm if grad_norm is not None else self.grad_norm,
+        }
+        self.loss = self.grad_norm = None
+        if self.handle.nonfinite is None:
+            return self.handle.step(iteration)
+        return self.handle.step(iteration, **{k: v for k, v in values.items() if v is not None})
 
     def close(self) -> None:
         """Close the handle and put Megatron's timers back (and the run, if ours)."""

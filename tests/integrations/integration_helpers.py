@@ -69,3 +69,20 @@ class NanFrom:
         x = args[0].clone()
         x[..., 0] = float("nan")
         return (x, *args[1:])
+
+
+def handed_over(monkeypatch) -> dict[int, tuple[float | None, float | None]]:
+    """What ``MonitorHandle.step`` is given at each step, ``{step: (loss, grad_norm)}``,
+    read to the host here (None where a value was not given)."""
+    from syncless.monitors import MonitorHandle
+
+    given: dict[int, tuple[float | None, float | None]] = {}
+    step = MonitorHandle.step
+
+    def recorded(self, at, *args, loss=None, grad_norm=None, **kwargs):
+        given[at] = (None if loss is None else float(loss),
+                     None if grad_norm is None else float(grad_norm))  # fmt: skip
+        return step(self, at, *args, loss=loss, grad_norm=grad_norm, **kwargs)
+
+    monkeypatch.setattr(MonitorHandle, "step", recorded)
+    return given

@@ -34,6 +34,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from integration_helpers import handed_over
 from megatron_harness import (
     Parallel,
     batch,
@@ -45,6 +46,7 @@ from megatron_harness import (
 
 from syncless.errors import UsageError
 from syncless.graphs import StandInGraph
+from syncless.guard import no_sync
 from syncless.integrations.megatron import SynclessMegatron
 from syncless.monitors import attach, build
 from syncless.run import Run
@@ -95,6 +97,7 @@ def test_megatron_asserts_at_a_replay_on_the_attention_monitors_pre_hook():
 
 ITERATIONS, MICRO_BATCHES = 10, 2
 VALIDATE_AFTER = (3, 6)  # the first validation runs eagerly, the second is captured
+LOSS_NAN, GRAD_NAN = 4, 7  # replayed iterations
 CADENCES = {"attention": 2, "moe": 3, "activations": 4, "nonfinite": 4}  # norms: 10
 
 
@@ -156,8 +159,13 @@ def _full_iteration_on_cpu(monkeypatch: pytest.MonkeyPatch) -> StandInCuda:
     return stand_in
 
 
+# Planted faults, set outside the graph before each iteration: 0, or NaN at LOSS_NAN
+# (added to the loss: its gradient stays finite) and GRAD_NAN (to one weight's gradient).
+LOSS_FAULT, GRAD_FAULT = torch.zeros(()), torch.zeros(())
+
+
 def _loss(output: torch.Tensor):
-    loss = output.float().mean()
+    loss = output.float().mean() + LOSS_FAULT
     return loss, {"loss": loss.detach().clone()}
 
 
@@ -189,12 +197,22 @@ def _train(graphs: bool, run_dir: str, monkeypatch: pytest.MonkeyPatch) -> dict:
         return built
 
     monkeypatch.setattr(integration, "build", at_cadences)
+    reduce = integration.reduced_loss
+
+    def reduced_under_no_sync(*args, **kwargs):  # after each call, outside the graph
+        with no_sync(cpu_as_device=True):
+            return reduce(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "reduced_loss", reduced_under_no_sync)
     # MoE graphs need Megatron's drop-and-pad (static shapes): as its config asks
     config = gpt_config(
         experts=4, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True
     )
     torch.manual_seed(0)
     model = gpt_model(config)
+    model.decoder.layers[0].self_attention.linear_qkv.weight.register_hook(
+        lambda grad: grad + GRAD_FAULT
+    )
     if graphs:
         config.cuda_graph_impl = "local"
         config.cuda_graph_scope = [CudaGraphScope.full_iteration]
@@ -208,18 +226,37 @@ def _train(graphs: bool, run_dir: str, monkeypatch: pytest.MonkeyPatch) -> dict:
         forward_backward, forward_step_func=_forward_step, model=[model],
         num_microbatches=MICRO_BATCHES, seq_length=16, micro_batch_size=2,
     )  # fmt: skip
-    losses = []
+    given = handed_over(monkeypatch)
+    losses, grad_norms = [], []
     for iteration in range(ITERATIONS):
+        LOSS_FAULT.fill_(math.nan if iteration == LOSS_NAN else 0.0)
+        GRAD_FAULT.fill_(math.nan if iteration == GRAD_NAN else 0.0)
         out = run(data_iterator=iter(_micro_batches(iteration)), forward_only=False)
-        losses.append(sum(float(o["loss"]) for o in out))
+        losses.append(sum(float(o["loss"]) for o in out) / MICRO_BATCHES)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads)
+        grad_norms.append(float(grad_norm))
+        if iteration == GRAD_NAN:
+            opt.zero_grad(set_to_none=False)  # no NaN update: clean again after
         opt.step()
         opt.zero_grad(set_to_none=False)  # gradients stay where the graph writes them
-        observer.step(iteration)
+        observer.step(iteration, grad_norm=grad_norm)
         if iteration in VALIDATE_AFTER:
             run(data_iterator=iter(_micro_batches(1000 + iteration)), forward_only=True)
     observer.close()
     observer.run.close()
-    return {"losses": losses, "replays": [g.replays for g in stand_in.graphs]}
+    return {
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "given": given,
+        "replays": [g.replays for g in stand_in.graphs],
+    }
+
+
+def _same(got: float, want: float) -> bool:
+    return math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-9) or (
+        math.isnan(got) and math.isnan(want)
+    )
 
 
 def _records(run_dir: str) -> dict[tuple[int, str], float]:
@@ -243,12 +280,33 @@ def test_full_iteration_graphs_record_what_an_eager_run_records(tmp_path):
     assert graphs["replays"] == [ITERATIONS - 1, 1]
     assert eager["replays"] == []
     for i, loss in enumerate(eager["losses"]):
-        assert math.isclose(graphs["losses"][i], loss, rel_tol=1e-6), i
+        assert _same(graphs["losses"][i], loss), i
+    # handle.step got each iteration's own loss (the mean over its micro-batches, read
+    # here from the schedule's output right after the call) and gradient norm
+    for run in (eager, graphs):
+        assert sorted(run["given"]) == list(range(ITERATIONS))
+        for i, (loss, grad_norm) in run["given"].items():
+            assert _same(loss, run["losses"][i]) and _same(grad_norm, run["grad_norms"][i]), i
+        nan_loss = [i for i, (loss, _) in run["given"].items() if math.isnan(loss)]
+        nan_norm = [i for i, (_, norm) in run["given"].items() if math.isnan(norm)]
+        assert (nan_loss, nan_norm) == ([LOSS_NAN], [GRAD_NAN])
 
     want, got = _records(str(tmp_path / "eager")), _records(str(tmp_path / "graphs"))
     assert got.keys() == want.keys()  # validation replays (gates off) added nothing
     for key, value in want.items():
-        assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=1e-9), (key, value, got[key])
+        assert _same(got[key], value), (key, value, got[key])
+    # each planted NaN with its iteration, at the alarm's first readout from it on
+    readouts = sorted(s for s, k in got if k == "monitors/layer_00/nonfinite_count")
+    for value, bad in (("loss", LOSS_NAN), ("grad_norm", GRAD_NAN)):
+        read = min(s for s in readouts if s >= bad)
+        firsts = {
+            s: v for (s, k), v in got.items() if k == f"monitors/step/{value}_nonfinite_first_step"
+        }
+        assert firsts == {read: bad}, value
+        counts = {
+            s: v for (s, k), v in got.items() if k == f"monitors/step/{value}_nonfinite_count"
+        }
+        assert [s for s, v in counts.items() if v > 0] == [read], value
     for name, marker in {"attention": "attn_qk_logit_max", "moe": "moe_imbalance",
                          "activations": "act_absmax"}.items():  # fmt: skip
         for layer in (0, 1):
