@@ -4,26 +4,21 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
-import socket
+import tempfile
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, results) -> None:
+def _worker(fn: Callable, rank: int, world: int, store: str, args: tuple, results) -> None:
     import torch.distributed as dist
 
     try:
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"file://{store}",
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=60),
@@ -47,9 +42,13 @@ def spawn_gloo(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    # The ranks meet through a file, not a TCP port picked here: a port found free and
+    # closed again can be taken by any other process before the ranks bind it (the
+    # race of tests/demo/test_stop.py). gloo then binds its own ports, held from the start.
+    folder = tempfile.TemporaryDirectory(prefix="syncless-gloo-")
+    store = str(Path(folder.name) / "store")
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results))
+        ctx.Process(target=_worker, args=(fn, r, world_size, store, args, results))
         for r in range(world_size)
     ]
     for p in procs:
@@ -70,6 +69,7 @@ def spawn_gloo(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120
             if p.is_alive():
                 p.kill()
                 p.join()
+        folder.cleanup()
     if failures:
         raise AssertionError("a spawned rank failed\n" + "\n".join(failures))
     return [out[r] for r in range(world_size)]

@@ -318,3 +318,67 @@ def _query_captures(ctx: Ctx) -> None:
     every = ctx.run([*words[:-1], "SELECT tag, step FROM captures ORDER BY step, tag",
                      "--format", "csv"]).stdout  # fmt: skip
     assert every.splitlines()[1] == "layer_00/hidden,0"
+
+
+# ---- several runs: compare, overlay, queries (docs/report.md, docs/run.md) ---------
+
+
+_ABLATIONS: list[str] = []  # runs/base and runs/lr-1e-2, made once for the checks below
+
+
+def _ablations(ctx: Ctx) -> dict[str, str]:
+    """The docs' runs/base and runs/lr-1e-2: two 3-step demo runs, one with lr 1e-2."""
+    if not _ABLATIONS:
+        root = ctx.request.getfixturevalue("tmp_path_factory").mktemp("ablations") / "runs"
+        for name, lr in (("base", None), ("lr-1e-2", "1e-2")):
+            argv = [dc.SYNCLESS, "demo", "--steps", "3", "--run-dir", str(root / name)]
+            ctx.run([*argv, *(["--lr", lr] if lr else []), "--quiet", "--no-report"])
+        _ABLATIONS.append(str(root))
+    root = _ABLATIONS[0]
+    return {"runs": root, "runs/base": f"{root}/base", "runs/lr-1e-2": f"{root}/lr-1e-2"}
+
+
+@runs(
+    "syncless query runs \"SELECT run, lr, min(value) AS best FROM metrics m JOIN runs r USING (run) WHERE m.name = 'demo/step/loss' GROUP BY ALL ORDER BY best\""
+)
+def _query_runs(ctx: Ctx) -> None:
+    rows = table_rows(ctx.run(ctx.argv(**_ablations(ctx))).stdout)
+    assert sorted((r[0], float(r[1])) for r in rows) == [("base", 3e-3), ("lr-1e-2", 1e-2)]
+    for run, _, best in rows:
+        losses = sql(_ablations(ctx)[f"runs/{run}"],
+                     "SELECT min(value) FROM metrics WHERE name = 'demo/step/loss'")  # fmt: skip
+        assert float(best) == losses[0][0]
+
+
+@runs('syncless query runs/base runs/lr-1e-2 "SELECT run, count(*) FROM metrics GROUP BY run"')
+def _query_two_runs(ctx: Ctx) -> None:
+    rows = table_rows(ctx.run(ctx.argv(**_ablations(ctx))).stdout)
+    assert sorted(rows) == [["base", "18"], ["lr-1e-2", "18"]]  # 6 names x 3 steps each
+
+
+@runs("syncless compare runs/base runs/lr-1e-2")
+def _compare(ctx: Ctx) -> None:
+    out = ctx.run(ctx.argv(**_ablations(ctx))).stdout
+    assert "2 runs against the baseline base" in out and "demo/step/loss" in out
+    assert re.search(r"lr-1e-2\s+0\.01\b", out)  # the one config key that differs
+    assert re.search(r"^\s+lr-1e-2\s.*\s1\s+\S+\s*$", out, re.M)  # differs from step 1
+
+
+@runs("syncless compare runs/base runs --format json")
+def _compare_json(ctx: Ctx) -> None:
+    doc = json.loads(ctx.run(ctx.argv(**_ablations(ctx))).stdout)
+    assert [r["id"] for r in doc["runs"]] == ["base", "lr-1e-2"]  # base once, then the rest
+    assert doc["config"]["differences"][0] == {"key": "lr", "values": [3e-3, 1e-2]}
+    loss = doc["runs"][1]["divergence"]
+    assert loss["first_different"] == 1  # step 0 is before the first update: equal
+
+
+@runs("syncless report runs/base runs/lr-1e-2 -o compare.html")
+def _report_overlay(ctx: Ctx) -> None:
+    p = ctx.run(ctx.argv(**_ablations(ctx)))
+    assert p.stdout.startswith("wrote compare.html (")
+    text = (ctx.cwd / "compare.html").read_text()
+    titles = re.findall(r'"title":\{"text":"([^"]*)"', text)
+    assert '<section id="metrics">' in text
+    assert "demo/step/loss" in [json.loads(f'"{t}"') for t in titles]  # plotly writes "\u002f"
+    assert "1 key(s) differ" in text

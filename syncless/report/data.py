@@ -1,26 +1,26 @@
-"""A run directory loaded for the HTML report: six DuckDB queries, then numpy.
+"""A run directory loaded for the HTML report: one scan for every curve, then numpy.
 
-Every table is aggregated in SQL, by metric and step bucket, so a run of a million
-records loads as a few thousand rows. Start at :func:`load`.
+Every metric is aggregated in DuckDB by step bucket in one scan of the run
+(``report/bands.py``): the curves, and the layer x step heatmaps read off the per-layer
+metrics' bands. A few narrow queries add the rest: the per-rank profile means, the
+head/expert grids at the latest step (only the row groups of that step are read), the
+first NaN/Inf, the capture index. A run of a million records loads as a few thousand
+rows. Start at :func:`load`.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from syncless.report.bands import Grid, Series, read_series
 from syncless.report.nonfinite import FirstNonfinite, first_nonfinite
 from syncless.run.store import RunStore
 
-__all__ = ["Cells", "RunData", "Series", "load"]
-
-#: Most columns a heatmap or curve gets. Past it, steps are bucketed (the worst value
-#: of a bucket is kept), so a 100k-step run stays a few MB of HTML.
-MAX_COLUMNS = 400
+__all__ = ["Cells", "RunData", "Series", "layer_cells", "load"]
 
 # Per-layer metrics read into layer x step matrices: the heatmaps of sections_layers.
 LAYER_METRICS = (
@@ -33,20 +33,8 @@ LAYER_METRICS = (
     "moe_imbalance",
     "moe_tokens_count",
 )
-_LAYER_NAME = r"^monitors/layer_(\d+)/([^/]+)$"
+LAYER_NAME = re.compile(r"monitors/layer_(\d+)/([^/]+)")
 _SUB_NAME = r"^monitors/layer_(\d+)/([^/]+)/(?:head|expert)_(\d+)$"
-
-
-@dataclass
-class Series:
-    """One metric over step buckets; every array is aligned with ``steps``."""
-
-    steps: np.ndarray  # first step of each bucket
-    mean: np.ndarray  # over ranks and the steps of a bucket
-    low: np.ndarray  # min over ranks and steps
-    high: np.ndarray  # max over ranks and steps
-    total: float  # sum of every record (counts and bytes add up)
-    records: int
 
 
 @dataclass
@@ -69,7 +57,7 @@ class RunData:
     bucket: int  # steps per column
     first_step: int
     last_step: int
-    steps: int  # distinct steps recorded
+    steps: int  # distinct steps recorded by the lowest rank
     ranks: list[int]
     start_time: float | None
     end_time: float | None
@@ -92,30 +80,43 @@ class RunData:
 
 def load(store: RunStore) -> RunData:
     """Read what the report needs from an open run (every shard it could read)."""
-    first, last, steps, ranks, t0, t1 = store.sql(
-        "SELECT min(step), max(step), count(DISTINCT step), "
-        "list(DISTINCT rank ORDER BY rank), min(time), max(time) FROM metrics"
-    ).fetchall()[0]
+    extent = store.extent()  # from the shards' names and footers: no data read
+    first, last, t0, t1 = extent.first_step, extent.last_step, extent.first_time, extent.last_time
+    if first is None or t0 is None:  # a footer without statistics: scan for them
+        first, last, t0, t1 = store.sql(
+            "SELECT min(step), max(step), min(time), max(time) FROM metrics"
+        ).fetchall()[0]
     first, last = int(first or 0), int(last or 0)
-    bucket = max(1, math.ceil((last - first + 1) / MAX_COLUMNS))
+    steps = 0
+    if extent.ranks:  # the lowest rank's distinct steps: a scan of 1/ranks of the run
+        (steps,) = store.sql(
+            f"SELECT count(DISTINCT step) FROM metrics WHERE rank = {extent.ranks[0]}"
+        ).fetchall()[0]
+    grid = Grid.spanning(first, last)
     data = RunData(
         info=store.info,
-        bucket=bucket,
+        bucket=grid.size,
         first_step=first,
         last_step=last,
         steps=int(steps or 0),
-        ranks=list(ranks or []),
+        ranks=extent.ranks,
         start_time=t0,
         end_time=t1,
-        unreadable=[f"{s.path.name}: {s.error}" for s in store.unreadable],
     )
-    if not steps:
-        return data
+    if steps:
+        _fill(data, store, grid)
+    # After every query: a shard found unreadable by any of them is named.
+    data.unreadable = [f"{s.path.name}: {s.error}" for s in store.unreadable]
+    return data
+
+
+def _fill(data: RunData, store: RunStore, grid: Grid) -> None:
+    """The curves, heatmaps, profile means, first NaN/Inf and captures of a run."""
     data.nonfinite = first_nonfinite(store)
-    column = f"{first} + (step - {first}) // {bucket} * {bucket}"
-    data.series = _series(store, column)
-    data.layers = _layers(store, column)
-    data.subs = _subs(store)
+    every = {name: series for (_, name), series in read_series(store, grid).items()}
+    data.series = {n: s for n, s in every.items() if not n.startswith("monitors/layer_")}
+    data.layers = layer_cells(every)
+    data.subs = _subs(store, every)
     for name, rank, value in store.sql(
         "SELECT name, rank, avg(value) FROM metrics WHERE starts_with(name, 'profile/') "
         "GROUP BY ALL ORDER BY ALL"
@@ -126,54 +127,47 @@ def load(store: RunStore) -> RunData:
             "SELECT tag, count(*), sum(nbytes) FROM captures GROUP BY tag ORDER BY tag"
         ).fetchall()
         data.captures = [(str(t), int(n), int(b or 0)) for t, n, b in rows]
-    return data
 
 
-def _series(store: RunStore, column: str) -> dict[str, Series]:
-    rows = store.sql(
-        f"SELECT name, {column} AS s, avg(value), min(value), max(value), sum(value), "
-        "count(*) FROM metrics WHERE NOT regexp_matches(name, '^monitors/layer_\\d+/') "
-        "GROUP BY ALL ORDER BY name, s"
-    ).fetchall()
-    out: dict[str, Series] = {}
-    start = 0
-    for end in range(1, len(rows) + 1):  # rows arrive grouped by name
-        if end < len(rows) and rows[end][0] == rows[start][0]:
-            continue
-        cols = np.array([r[1:] for r in rows[start:end]], dtype=float)
-        out[rows[start][0]] = Series(
-            steps=cols[:, 0].astype(int),
-            mean=cols[:, 1],
-            low=cols[:, 2],
-            high=cols[:, 3],
-            total=float(np.nansum(cols[:, 4])),
-            records=int(cols[:, 5].sum()),
-        )
-        start = end
+def layer_cells(
+    series: dict[str, Series], metrics: tuple[str, ...] = LAYER_METRICS
+) -> dict[str, Cells]:
+    """The per-layer metrics among ``series`` (``monitors/layer_NN/<metric>``, one of
+    ``metrics``) as layer x bucket grids, a column per bucket with a record."""
+    by_metric: dict[str, dict[int, Series]] = {}
+    for name, s in series.items():
+        m = LAYER_NAME.fullmatch(name)
+        if m and m.group(2) in metrics:
+            by_metric.setdefault(m.group(2), {})[int(m.group(1))] = s
+    out: dict[str, Cells] = {}
+    for metric, layers in sorted(by_metric.items()):
+        rows = np.array(sorted(layers))
+        used = np.unique(np.concatenate([s.steps for s in layers.values()]))
+        low = np.full((len(rows), len(used)), np.nan)
+        high = low.copy()
+        for r, layer in enumerate(rows.tolist()):
+            s = layers[layer]
+            c = np.searchsorted(used, s.steps)
+            low[r, c], high[r, c] = s.low, s.high
+        out[metric] = Cells(rows, used, low, high)
     return out
 
 
-def _layers(store: RunStore, column: str) -> dict[str, Cells]:
-    wanted = ", ".join(f"'{m}'" for m in LAYER_METRICS)
-    rows = store.sql(
-        f"SELECT metric, layer, s, min(value), max(value) FROM ("
-        f"  SELECT regexp_extract(name, '{_LAYER_NAME}', 2) AS metric,"
-        f"  CAST(regexp_extract(name, '{_LAYER_NAME}', 1) AS INTEGER) AS layer,"
-        f"  {column} AS s, value FROM metrics"
-        f"  WHERE regexp_matches(name, '{_LAYER_NAME}')"
-        f") WHERE metric IN ({wanted}) GROUP BY ALL"
-    ).fetchall()
-    return _grids(rows)
+def _subs(store: RunStore, every: dict[str, Series]) -> dict[str, Cells]:
+    """Head x layer and expert x layer at each metric's latest step (worst over ranks).
 
-
-def _subs(store: RunStore) -> dict[str, Cells]:
-    """Head x layer and expert x layer at each metric's latest step (worst over ranks)."""
+    Only the records from the earliest last bucket of any such metric on are read: the
+    shards' step statistics skip the rest of a long run.
+    """
+    lasts = [int(s.steps[-1]) for n, s in every.items() if re.match(_SUB_NAME, n)]
+    if not lasts:
+        return {}
     rows = store.sql(
         f"WITH sub AS ("
         f"  SELECT regexp_extract(name, '{_SUB_NAME}', 2) AS metric,"
         f"  CAST(regexp_extract(name, '{_SUB_NAME}', 1) AS INTEGER) AS layer,"
         f"  CAST(regexp_extract(name, '{_SUB_NAME}', 3) AS INTEGER) AS idx, step, value"
-        f"  FROM metrics WHERE regexp_matches(name, '{_SUB_NAME}')),"
+        f"  FROM metrics WHERE step >= {min(lasts)} AND regexp_matches(name, '{_SUB_NAME}')),"
         f" last AS (SELECT metric, max(step) AS step FROM sub GROUP BY metric)"
         f" SELECT metric, idx, layer, min(value), max(value), any_value(step)"
         f" FROM sub JOIN last USING (metric, step) GROUP BY metric, idx, layer"

@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING
 from syncless.errors import UsageError
 from syncless.report import sections_layers, sections_run, sections_time, sections_usage
 from syncless.report.page_parts import Section, figure, table
+from syncless.run.rundir import RUN_JSON
 from syncless.run.storage import RunPath, run_path, write_whole
 
 if TYPE_CHECKING:
     from syncless.report.data import RunData
 
-__all__ = ["Section", "build", "figure", "run", "table", "write"]
+__all__ = ["Section", "build", "document", "figure", "run", "save", "table", "write"]
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,7 @@ def build(run_dir: str | Path) -> str:
 
 
 def page(data: RunData, parts: list[Section]) -> str:
-    from plotly.offline import get_plotlyjs
-
-    name = html.escape(str(data.info.get("name") or Path(str(data.info.get("path", ""))).name))
-    nav = " ".join(f'<a href="#{s.anchor}">{html.escape(s.title)}</a>' for s in parts)
+    name = str(data.info.get("name") or Path(str(data.info.get("path", ""))).name)
     warn = ""
     if data.unreadable:
         items = "".join(f"<li>{html.escape(u)}</li>" for u in data.unreadable)
@@ -87,18 +85,29 @@ def page(data: RunData, parts: list[Section]) -> str:
     if data.nonfinite:  # the first thing to read: it dates every chart below
         lines = "".join(f"<p>{html.escape(line)}</p>" for line in data.nonfinite.lines())
         alarm = f'<div class="alarm" id="nonfinite" role="alert">{lines}</div>'
+    if not parts:
+        warn += '<p class="note">The run recorded no metrics yet.</p>'
+    return document(name, parts, alarm, warn)
+
+
+def document(name: str, parts: list[Section], alarm: str = "", warn: str = "") -> str:
+    """The page: ``alarm`` above the navigation, ``warn`` below it, then the sections.
+
+    plotly.js (~4.8 MB) is inlined once: the file opens with no network. Every figure
+    is written with include_plotlyjs=False and calls the global Plotly.
+    """
+    from plotly.offline import get_plotlyjs
+
+    title = html.escape(name)
+    nav = " ".join(f'<a href="#{s.anchor}">{html.escape(s.title)}</a>' for s in parts)
     body = "".join(
         f'<section id="{s.anchor}"><h2>{html.escape(s.title)}</h2>{s.body}</section>' for s in parts
     )
-    if not parts:
-        body = '<p class="note">The run recorded no metrics yet.</p>'
-    # plotly.js (~4.8 MB) inlined once: the file opens with no network. Every figure
-    # is written with include_plotlyjs=False and calls the global Plotly.
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>syncless report: {name}</title><style>{CSS}</style>"
+        f"<title>syncless report: {title}</title><style>{CSS}</style>"
         f'<script type="text/javascript">{get_plotlyjs()}</script></head>'
-        f"<body><h1>syncless report: {name}</h1>{alarm}<nav>{nav}</nav>{warn}{body}"
+        f"<body><h1>syncless report: {title}</h1>{alarm}<nav>{nav}</nav>{warn}{body}"
         f'<p class="note">Made by <code>syncless report</code> on '
         f"{time.strftime('%Y-%m-%d %H:%M')}.</p></body></html>\n"
     )
@@ -108,7 +117,11 @@ def write(run_dir: str | Path, output: str | Path | None = None) -> RunPath:
     """Write the report of ``run_dir`` (default ``RUN_DIR/report.html``, in an object
     store too); return its path."""
     path = run_path(output) if output else run_path(run_dir) / "report.html"
-    text = build(run_dir)
+    return save(path, build(run_dir))
+
+
+def save(path: RunPath, text: str) -> RunPath:
+    """Write ``text`` to ``path`` whole (a local file or an object)."""
     try:
         write_whole(path, text.encode())
     except OSError as e:
@@ -117,9 +130,14 @@ def write(run_dir: str | Path, output: str | Path | None = None) -> RunPath:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The ``syncless report`` command."""
+    """The ``syncless report`` command: one run's report, or several runs overlaid."""
     started = time.perf_counter()
-    path = write(args.run_dir, args.output)
+    if len(args.runs) == 1 and (run_path(args.runs[0]) / RUN_JSON).is_file():
+        path = write(args.runs[0], args.output)
+    else:
+        from syncless.report import overlay
+
+        path = overlay.write(args.runs, args.output)
     size = path.stat().st_size / 1e6
     took = time.perf_counter() - started
     print(f"wrote {path} ({size:.1f} MB, {took:.1f} s)", file=sys.stdout)

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import html
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
 
-__all__ = ["Section", "figure", "table"]
+    from syncless.report.bands import Series
+
+__all__ = ["Section", "band", "f4", "figure", "table"]
 
 
 class Section(NamedTuple):
@@ -32,6 +36,32 @@ def figure(fig: go.Figure, anchor: str, height: int = 340) -> str:
         full_html=False, include_plotlyjs=False, div_id=f"fig-{anchor}", config=config
     )
     return f'<div class="chart">{body}</div>'
+
+
+def band(fig: go.Figure, s: Series, name: str, color: str, **where: Any) -> None:
+    """A series as its mean line and, where it has a width, its min/max band (the band
+    holds every point of a bucket: report/bands.py). ``where``: ``row``, ``col`` of a
+    subplot."""
+    if np.any(s.high > s.low):
+        edge = {"width": 0, "color": color}
+        fig.add_scatter(x=s.steps, y=f4(s.low), mode="lines", line=edge, legendgroup=name,
+                        showlegend=False, hoverinfo="skip", **where)  # fmt: skip
+        fig.add_scatter(x=s.steps, y=f4(s.high), mode="lines", line=edge, fill="tonexty",
+                        fillcolor=_alpha(color, 0.2), legendgroup=name, showlegend=False,
+                        hoverinfo="skip", **where)  # fmt: skip
+    fig.add_scatter(x=s.steps, y=f4(s.mean), mode="lines", name=name, legendgroup=name,
+                    line={"color": color, "width": 1.5}, **where)  # fmt: skip
+
+
+def f4(values: np.ndarray) -> np.ndarray:
+    """float32: half the bytes in the page, and 7 digits are more than a chart shows."""
+    return np.asarray(values, dtype=np.float32)
+
+
+def _alpha(color: str, alpha: float) -> str:
+    color = color.lstrip("#")
+    red, green, blue = (int(color[i : i + 2], 16) for i in (0, 2, 4))
+    return f"rgba({red}, {green}, {blue}, {alpha})"
 
 
 def table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 from syncless.report.data import Cells, RunData
 from syncless.report.page_parts import Section, figure
 
-__all__ = ["HEATMAPS", "Heatmap", "sections", "worst_cell"]
+__all__ = ["HEATMAPS", "LOWEST_IS_WORST", "Heatmap", "sections", "worst_cell"]
 
 
 class Heatmap(NamedTuple):
@@ -32,6 +32,8 @@ HEATMAPS = (
     Heatmap("moe_imbalance", "Expert imbalance (max / mean load)", "max", "experts"),
     Heatmap("moe_tokens_count", "Tokens routed per layer", "max", "experts"),
 )
+#: Per-layer metrics whose lowest value is the alarming one; every other is worst high.
+LOWEST_IS_WORST = frozenset(h.metric for h in HEATMAPS if h.worst == "min")
 SUB_GRIDS = {  # metric -> (what a row is, title)
     "attn_qk_logit_max": ("head", "QK logit max per head"),
     "attn_entropy_nats": ("head", "Attention entropy per head (nats)"),

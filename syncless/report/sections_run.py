@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from syncless.report.data import RunData
-from syncless.report.page_parts import Section, figure, table
+from syncless.report.page_parts import Section, band, figure, table
 from syncless.report.summary import mfu_text
 
 __all__ = ["SYNCLESS_AREAS", "sections", "step_time"]
@@ -68,7 +68,8 @@ def _overview(data: RunData) -> Section:
     rows.append(("world size", f"{world if world is not None else '?'}; ranks: {seen}"))
     if world and len(ranks) < int(world):
         rows.append(("note", f"{int(world) - len(ranks)} rank(s) wrote no readable shard"))
-    rows.append(("steps", f"{data.steps} recorded, {data.first_step} to {data.last_step}"))
+    by = f" by rank {ranks[0]}" if len(ranks) > 1 else ""
+    rows.append(("steps", f"{data.steps} recorded{by}, {data.first_step} to {data.last_step}"))
     if data.start_time is not None and data.end_time is not None:
         duration = data.end_time - data.start_time
         rows.append(("duration", f"{duration:.1f} s (first to last record)"))
@@ -115,20 +116,24 @@ def _curves(data: RunData) -> Section | None:
     names = user_curves(data)
     if not names:
         return None
+    from plotly.colors import qualitative
     from plotly.subplots import make_subplots
 
     columns = 2
     rows = (len(names) + columns - 1) // columns
     fig = make_subplots(rows=rows, cols=columns, subplot_titles=names, vertical_spacing=0.3 / rows)
+    color = qualitative.Plotly[0]
     for i, name in enumerate(names):
-        s = data.series[name]
-        fig.add_scatter(
-            x=s.steps, y=s.mean, mode="lines", name=name, row=i // columns + 1, col=i % columns + 1
-        )
+        band(fig, data.series[name], name, color, row=i // columns + 1, col=i % columns + 1)
     fig.update_layout(showlegend=False)
-    note = ""
-    if len(data.ranks) > 1:
-        note = '<p class="note">Each point is the mean over ranks.</p>'
+    over = ["ranks"] if len(data.ranks) > 1 else []
     if data.bucket > 1:
-        note += f'<p class="note">Each point is the mean of {data.bucket} steps.</p>'
+        over.append(f"the {data.bucket} steps of a bucket")
+    note = ""
+    if over:
+        note = (
+            f'<p class="note">A line is the mean over {" and ".join(over)}; the band around '
+            "it spans the lowest and highest value there, so a spike on any rank or step "
+            "shows.</p>"
+        )
     return Section("curves", "Training curves", note + figure(fig, "curves", height=260 * rows))

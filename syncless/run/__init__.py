@@ -26,6 +26,7 @@ _HOMES = {
     "RunStore": "syncless.run.store",
     "UnreadableShardError": "syncless.run.store",
     "open": "syncless.run.store",
+    "open_runs": "syncless.run.store",
 }
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "WandbSink",
     "check_metric_name",
     "open",
+    "open_runs",
     "rank_info",
 ]
 
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
     from syncless.run.sink_tensorboard import TensorBoardSink
     from syncless.run.sink_wandb import WandbSink
     from syncless.run.sinks import ConsoleSink, Sink
-    from syncless.run.store import RunStore, UnreadableShardError, open
+    from syncless.run.store import RunStore, UnreadableShardError, open, open_runs
 
 
 def __getattr__(name: str) -> Any:

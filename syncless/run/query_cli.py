@@ -1,6 +1,8 @@
-"""``syncless query RUN_DIR "SQL"``: print a query over a run's tables.
+"""``syncless query RUN [RUN ...] "SQL"``: print a query over one run's tables, or several's.
 
 Also the helpers ``syncless check`` shares: warnings on stderr, quiet closed pipes.
+This module is on the path of a command that should answer at once: it imports no
+pyarrow and no rendering library (tests/run/test_cli_startup.py).
 """
 
 from __future__ import annotations
@@ -12,22 +14,44 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TextIO
 
-from rich.console import Console
-from rich.table import Table
-
+from syncless.run.rundir import RUN_JSON
+from syncless.run.storage import run_path
 from syncless.run.store import RunStore, UnreadableShardError, check_query
+from syncless.run.text_table import write_table
 
 
 def print_query(
-    run_dir: str, sql: str, fmt: str = "table", out: TextIO | None = None, strict: bool = False
+    runs: str | Sequence[str],
+    sql: str,
+    fmt: str = "table",
+    out: TextIO | None = None,
+    strict: bool = False,
 ) -> None:
+    """Print ``sql`` over ``runs``: one run directory, or several runs and folders
+    holding runs (then ``metrics.run`` is each record's run id, as in ``runs``)."""
     check_query(sql)  # before reading the shards: a bad query fails fast
-    with RunStore(run_dir, strict=strict) as store:
+    with open_store(runs, strict=strict) as store:
         columns, rows = store.query(sql)
     print_rows(columns, rows, fmt, out)
+
+
+def open_store(runs: str | Sequence[str], strict: bool = False) -> RunStore:
+    """One run directory as a store of one run; anything else (several paths, a folder
+    of runs) as a store of several."""
+    paths = [runs] if isinstance(runs, str) else list(runs)
+    if len(paths) == 1 and _is_run(paths[0]):
+        return RunStore(paths[0], strict=strict)
+    return RunStore(paths, strict=strict)
+
+
+def _is_run(path: str) -> bool:
+    try:
+        return (run_path(path) / RUN_JSON).is_file() or not run_path(path).is_dir()
+    except OSError:
+        return True  # RunStore says what is wrong with it
 
 
 def print_rows(columns: list[str], rows: list[tuple], fmt: str, out: TextIO | None = None) -> None:
@@ -41,10 +65,7 @@ def print_rows(columns: list[str], rows: list[tuple], fmt: str, out: TextIO | No
         json.dump([dict(zip(columns, r, strict=True)) for r in rows], out, default=str, indent=1)
         out.write("\n")
     else:
-        table = Table(*columns, caption=f"{len(rows)} row(s)")
-        for r in rows:
-            table.add_row(*("NULL" if v is None else str(v) for v in r))
-        Console(file=out, width=max(80, Console().width)).print(table)
+        write_table(columns, rows, out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,9 +73,7 @@ def run(args: argparse.Namespace) -> int:
     ``--strict``, 2 for a usage error (raised to the caller)."""
     with warnings_on_stderr():
         try:
-            to_stdout(
-                lambda out: print_query(args.run_dir, args.sql, args.format, out, args.strict)
-            )
+            to_stdout(lambda out: print_query(args.runs, args.sql, args.format, out, args.strict))
         except UnreadableShardError as e:
             print(f"syncless: error: {e}", file=sys.stderr)
             return 1

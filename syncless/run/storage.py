@@ -31,15 +31,14 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from syncless.errors import UsageError
 from syncless.run.atomic import replaced_when_written
 
 if TYPE_CHECKING:
     from typing import TypeAlias
 
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     from upath import UPath
 
     RunPath: TypeAlias = Path | UPath
@@ -144,6 +143,9 @@ def write_exclusive(final: RunPath, data: bytes) -> None:
 
 def write_parquet(table: pa.Table, final: RunPath, **options: Any) -> None:
     """Write ``table`` as the Parquet file ``final``, whole or not at all."""
+    import pyarrow as pa  # here, not at import: a query reads no file through pyarrow
+    import pyarrow.parquet as pq
+
     if is_remote(final):
         buffer = pa.BufferOutputStream()
         pq.write_table(table, buffer, **options)
@@ -155,12 +157,16 @@ def write_parquet(table: pa.Table, final: RunPath, **options: Any) -> None:
 
 def read_metadata(path: RunPath) -> pq.FileMetaData:
     """The Parquet footer of ``path``."""
+    import pyarrow.parquet as pq
+
     if is_remote(path):
         return pq.read_metadata(path.path, filesystem=path.fs)
     return pq.read_metadata(path)
 
 
 def read_table(path: RunPath, **options: Any) -> pa.Table:
+    import pyarrow.parquet as pq
+
     if is_remote(path):
         return pq.read_table(path.path, filesystem=path.fs, **options)
     return pq.read_table(path, **options)

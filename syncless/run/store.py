@@ -1,26 +1,28 @@
-"""Read a run directory back: read-only SQL over every rank's shards.
+"""Read run directories back: read-only SQL over every rank's shards, of one run or many.
 
 Opening a run plans its shards from one listing of each folder (the names are the
 manifest: syncless.run.shards) and makes each table a view over its files: ``metrics``
-and, where the run has captures, ``captures`` (their index). The connection may read
-the run's shard files and nothing else (DuckDB's ``allowed_paths``, then external
-access off and the settings locked); a query must be one SELECT. Start at :class:`RunStore`; the user's view is in ``docs/run.md``
-("Queries").
+and, where the run has captures, ``captures`` (their index), and a table ``runs`` (one
+row per run: syncless.run.runset). A store of several runs reads them as one: its
+views add each run's id as ``run``. The connection may read the runs' shard files and
+nothing else (DuckDB's ``allowed_paths``, then external access off and the settings
+locked); a query must be one SELECT. Start at :class:`RunStore`; the user's view is in
+``docs/run.md`` ("Queries").
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import pyarrow as pa
-
 from syncless.errors import UsageError
-from syncless.run.parquet import SCHEMA
 from syncless.run.rundir import METRICS_DIR, read_run_json
-from syncless.run.shards import catalogue
+from syncless.run.runset import RunEntry, find_runs, runs_table
+from syncless.run.shards import catalogue, parse
 from syncless.run.storage import (
     RunPath,
     exists,
@@ -34,7 +36,8 @@ from syncless.run.storage import (
 if TYPE_CHECKING:
     import duckdb
 
-__all__ = ["RunStore", "Shard", "UnreadableShardError", "check_query", "open"]
+__all__ = ["RunStore", "Shard", "UnreadableShardError", "check_query", "open", "open_runs",
+           "sql_string"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +45,12 @@ log = logging.getLogger(__name__)
 # syncless.capture.sink.CAPTURES_DIR, spelled out here: that module imports torch.
 TABLES = {"metrics": (METRICS_DIR, "*.parquet"), "captures": ("captures", "rank*-*.parquet")}
 
-_DUCKDB_TYPES = {"string": "VARCHAR", "int64": "BIGINT", "int32": "INTEGER", "double": "DOUBLE"}
-_METRICS_COLUMNS = ", ".join(f.name for f in SCHEMA)
+# syncless.run.parquet.SCHEMA in DuckDB's types, spelled out: that module imports
+# pyarrow, 90 ms that a query does not need (tests/run/test_store.py checks they agree).
+METRICS_COLUMNS = (("run", "VARCHAR"), ("step", "BIGINT"), ("rank", "INTEGER"),
+                   ("name", "VARCHAR"), ("value", "DOUBLE"), ("time", "DOUBLE"))  # fmt: skip
+_COLUMNS = ", ".join(name for name, _ in METRICS_COLUMNS)
+_DATA_COLUMNS = ", ".join(name for name, _ in METRICS_COLUMNS[1:])  # without run
 
 # Settings fixed at connect. The run's folders are allowed, then external access goes
 # off and the settings lock, in RunStore.__init__.
@@ -84,6 +91,7 @@ class Shard(NamedTuple):
     table: str  # "metrics" or "captures"
     rows: int  # rows it holds; 0 when unreadable
     error: str | None  # why it could not be read; None when it was
+    run: str = ""  # the id of its run (RunStore.runs)
 
 
 def check_query(sql: str) -> None:
@@ -92,15 +100,7 @@ def check_query(sql: str) -> None:
     The check reads DuckDB's own parse of the statement. It is the polite first
     refusal; the wall is the connection, which has no file access at all.
     """
-    import duckdb
-
-    try:
-        statements = duckdb.extract_statements(sql)
-        kinds = [s.type.name for s in statements]
-    except duckdb.Error as e:
-        raise UsageError(f"query failed: {e}") from None
-    except ValueError:  # a statement type this duckdb's Python enum does not name
-        raise UsageError(f"query refused: queries are {_ALLOWED}") from None
+    kinds = _statement_kinds(sql)
     if not kinds:
         raise UsageError(
             'empty query: pass one SELECT statement, e.g. "SELECT count(*) FROM metrics"'
@@ -116,41 +116,86 @@ def check_query(sql: str) -> None:
         raise UsageError(f"query refused: {kinds[0]} is not a SELECT; queries are {_ALLOWED}")
 
 
+@functools.lru_cache(maxsize=256)
+def _statement_kinds(sql: str) -> tuple[str, ...]:
+    """The kinds of ``sql``'s statements, as DuckDB parses them. Cached: the CLI checks
+    a query before opening the run and the store checks it again (15 ms a parse)."""
+    import duckdb
+
+    try:
+        return tuple(s.type.name for s in duckdb.extract_statements(sql))
+    except duckdb.Error as e:
+        raise UsageError(f"query failed: {e}") from None
+    except ValueError:  # a statement type this duckdb's Python enum does not name
+        raise UsageError(f"query refused: queries are {_ALLOWED}") from None
+
+
+class Extent(NamedTuple):
+    """What a store's metrics span: None where no shard (or its footer) says."""
+
+    first_step: int | None
+    last_step: int | None
+    ranks: list[int]
+    first_time: float | None  # seconds since the epoch
+    last_time: float | None
+
+
 class RunStore:
-    """A run directory opened for read-only SQL.
+    """Run directories opened for read-only SQL: one run, or several read as one.
 
     Tables: ``metrics`` (``run, step, rank, name, value, time``: every rank's step
-    records) and, when the run has captures, ``captures`` (their index), each a view
-    over the shard files. Every query first lists the folders again, so a live run (and
-    one being compacted) can be queried. A shard that cannot be read is skipped with one
-    warning each (``strict=True`` raises :class:`UnreadableShardError` instead): shards
-    named before the manifest are checked by their footer when first listed, the others
-    when a query meets them. Statements other than SELECT are refused, and the
-    connection reads only this run's shard files.
+    records), ``runs`` (one row per run: id, name, path, start, world size, commit and
+    every config field) and, when a run has captures, ``captures`` (their index). The
+    record tables are views over the shard files. Every query first lists the folders
+    again, so a live run (and one being compacted) can be queried. A shard that cannot
+    be read is skipped with one warning each (``strict=True`` raises
+    :class:`UnreadableShardError` instead): shards named before the manifest are checked
+    by their footer when first listed, the others when a query meets them. Statements
+    other than SELECT are refused, and the connection reads only the runs' shard files.
+
+    Over several runs (``paths`` a list, :func:`open_runs`), ``metrics.run`` and
+    ``captures.run`` hold each record's run id, the key of ``runs``. Over one run,
+    ``metrics.run`` is what its writer stored (the directory name, for ``Run``).
 
     Example::
 
         with syncless.run.open("runs/20261130-101500-demo-tiny") as store:
             columns, rows = store.query("SELECT rank, count(*) FROM metrics GROUP BY rank")
             df = store.sql("SELECT * FROM metrics").df()
+        with syncless.run.open_runs(["runs"]) as store:  # every run under runs/
+            store.query("SELECT run, min(value) FROM metrics WHERE name = 'demo/step/loss' "
+                        "GROUP BY run ORDER BY 2")
 
     Args:
-        path: the run directory (it holds ``run.json``).
+        path: the run directory (it holds ``run.json``); or a list of run directories
+            and folders holding runs (syncless.run.runset).
         strict: raise on the first unreadable shard instead of skipping it.
         warn: log a warning (``syncless.run.store``) per skipped shard.
     """
 
-    def __init__(self, path: str | os.PathLike, *, strict: bool = False, warn: bool = True) -> None:
-        self.path = run_path(path)
+    def __init__(
+        self,
+        path: str | os.PathLike | Sequence[str | os.PathLike],
+        *,
+        strict: bool = False,
+        warn: bool = True,
+    ) -> None:
         self.strict = strict
         self.warn = warn
-        self.info: dict[str, Any] = _read_info(self.path)
+        if isinstance(path, str | os.PathLike):
+            #: The run directory; None for a store of several runs.
+            self.path: RunPath | None = run_path(path)
+            self.runs = [RunEntry(self.path.name, self.path, _read_info(self.path))]
+        else:
+            self.path = None
+            #: The runs read, in order: id (``metrics.run``), directory, ``run.json``.
+            self.runs = find_runs(list(path))
         #: Every shard of the latest listing, readable or not, by path.
         self.shards: dict[RunPath, Shard] = {}
-        self._views: dict[str, list[str]] = {}  # table -> the real paths its view reads
+        self._views: dict[str, list[tuple[str, str]]] = {}  # table -> (run, real path) it reads
         self._read_whole: set[RunPath] = set()  # shards read whole without an error
         self._real_folders: dict[RunPath, str] = {}  # folder -> its real path and a separator
-        self._listings: dict[str, list[str]] = {}  # table -> its folder's names, last listed
+        self._listings: dict[tuple[str, str], list[str]] = {}  # (run, table) -> names listed
         # Imported here: training processes write shards and never need DuckDB.
         import duckdb
 
@@ -167,6 +212,21 @@ class RunStore:
             self.close()
             raise
 
+    @property
+    def several(self) -> bool:
+        """Whether this store reads several runs (``metrics.run`` is then the run id)."""
+        return self.path is None
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The run's ``run.json``. A store of several runs has one per run: ``runs``."""
+        if self.several:
+            raise UsageError(
+                f"this store reads {len(self.runs)} runs: each run's run.json is in "
+                "store.runs[i].info"
+            )
+        return self.runs[0].info
+
     def _connect(self, files: set[str]) -> None:
         """A connection that may read exactly ``files`` (DuckDB's ``allowed_paths``),
         then no other file: external access off, settings locked. Views, not tables: a
@@ -175,14 +235,18 @@ class RunStore:
         connection (the allowed paths are fixed once access is off): ~5 ms."""
         con = self._duckdb.connect(":memory:", config=_CONFIG)
         try:
-            if is_remote(self.path):  # DuckDB reads the store through fsspec, as we do
-                con.register_filesystem(self.path.fs)
+            registered = set()
+            for run in self.runs:  # DuckDB reads an object store through fsspec, as we do
+                if is_remote(run.path) and id(run.path.fs) not in registered:
+                    con.register_filesystem(run.path.fs)
+                    registered.add(id(run.path.fs))
             # A bound list, not a literal: parsing 1,024 quoted paths cost 8-40 ms.
             con.execute("SET allowed_paths = $1", [sorted(files)])
             # Footers read once per connection: a report runs dozens of queries.
             con.execute("SET parquet_metadata_cache = true")
             con.execute("SET enable_external_access = false")
             con.execute("SET lock_configuration = true")
+            _create_runs_table(con, self.runs)
         except BaseException:
             con.close()
             raise
@@ -194,7 +258,8 @@ class RunStore:
     def tables(self) -> list[str]:
         """The tables a query can read."""
         rows = self._con.execute(
-            "SELECT view_name FROM duckdb_views() WHERE NOT internal ORDER BY 1"
+            "SELECT view_name FROM duckdb_views() WHERE NOT internal "
+            "UNION SELECT table_name FROM duckdb_tables() WHERE NOT internal ORDER BY 1"
         ).fetchall()
         return [r[0] for r in rows]
 
@@ -206,34 +271,37 @@ class RunStore:
     def refresh(self) -> list[Shard]:
         """List the folders again and point the views at what they hold now; return the
         shards not seen before."""
-        listings = {table: list_files(self.path / TABLES[table][0]) for table in TABLES}
+        listings = {
+            (run.id, table): list_files(run.path / TABLES[table][0])
+            for run in self.runs
+            for table in TABLES
+        }
         if listings == self._listings:
             # Nothing written, renamed or deleted since: the plan stands (planning
             # 1,024 ranks' names again cost 9 ms of a 60 ms count(*)).
             return []
         self._listings = listings
-        known = {(s.table, s.path.name): s for s in self.shards.values()}
+        known = {(s.table, s.path): s for s in self.shards.values()}
         self.shards = {}
         new: list[Shard] = []
-        files: dict[str, list[str]] = {}  # table -> its readable shards' real paths
-        for table in TABLES:
-            folder = self.path / TABLES[table][0]
-            real = self._real_folder(folder)
-            files[table] = []
-            for name, rows in _shards_of(table, listings[table]):
-                shard = known.get((table, name))
-                if shard is None:  # new: a Path and, without a manifest name, a footer
+        for run in self.runs:
+            for table in TABLES:
+                folder = run.path / TABLES[table][0]
+                for name, rows in _shards_of(table, listings[run.id, table]):
                     path = folder / name
-                    found = (rows, None) if rows is not None else _inspect(table, path)
-                    shard = Shard(path, table, *found)
-                    new.append(shard)
-                    if shard.error is not None:
-                        self._report(shard)
-                self.shards[shard.path] = shard
-                if shard.error is None:
-                    files[table].append(real + name)
-        if self._con is None or not all(self._allowed.issuperset(f) for f in files.values()):
-            self._connect({f for table_files in files.values() for f in table_files})
+                    shard = known.get((table, path))
+                    if shard is None:  # new: a Path and, without a manifest name, a footer
+                        found = (rows, None) if rows is not None else _inspect(table, path)
+                        shard = Shard(path, table, *found, run=run.id)
+                        new.append(shard)
+                        if shard.error is not None:
+                            self._report(shard)
+                    self.shards[shard.path] = shard
+        files = {table: self._readable(table) for table in TABLES}
+        if self._con is None or not all(
+            self._allowed.issuperset(p for _, p in f) for f in files.values()
+        ):
+            self._connect({p for table_files in files.values() for _, p in table_files})
         for table, table_files in files.items():
             if self._views.get(table) != table_files:
                 self._view(table, table_files)
@@ -285,6 +353,14 @@ class RunStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _readable(self, table: str) -> list[tuple[str, str]]:
+        """(run id, real path) of the table's readable shards, in listing order."""
+        return [
+            (s.run, self._real(p))
+            for p, s in self.shards.items()
+            if s.table == table and s.error is None
+        ]
+
     def _real_folder(self, folder: RunPath) -> str:
         """``folder`` resolved, once a store, with a trailing separator: DuckDB checks
         allowed paths by their real name (resolving each of 2,048 files cost 85 ms). An
@@ -298,13 +374,11 @@ class RunStore:
     def _real(self, path: RunPath) -> str:
         return self._real_folder(path.parent) + path.name
 
-    def _view(self, table: str, files: list[str]) -> None:
+    def _view(self, table: str, files: list[tuple[str, str]]) -> None:
         self._views[table] = files
         if not files:
             if table == "metrics":  # empty, with the schema: queries still bind
-                columns = ", ".join(
-                    f"NULL::{_DUCKDB_TYPES[str(f.type)]} AS {f.name}" for f in SCHEMA
-                )
+                columns = ", ".join(f"NULL::{kind} AS {name}" for name, kind in METRICS_COLUMNS)
                 self._con.execute(f"CREATE OR REPLACE VIEW metrics AS SELECT {columns} WHERE false")
                 self._con.execute(
                     f"CREATE OR REPLACE VIEW metrics_written AS SELECT {columns}, "
@@ -313,7 +387,6 @@ class RunStore:
             else:
                 self._con.execute(f"DROP VIEW IF EXISTS {table}")
             return
-        paths = ", ".join(_sql_string(f) for f in files)
         if table == "metrics":
             # Write order, for readers that need it (the summary's name order, the
             # trace's nesting): shard names sort by rank and sequence number, and
@@ -321,16 +394,17 @@ class RunStore:
             # ``metrics`` is its projection: one file list to parse and bind (a second
             # cost 12 ms on 1,024 files), and the virtual columns cost nothing where a
             # query does not ask for them.
+            virtual = "filename AS file, file_row_number AS row"
+            written = self._union(files, f"{_COLUMNS}, {virtual}", f"{_DATA_COLUMNS}, {virtual}",
+                                  "filename = true, file_row_number = true")  # fmt: skip
             statements = [
-                f"CREATE OR REPLACE VIEW metrics_written AS SELECT {_METRICS_COLUMNS}, "
-                "filename AS file, file_row_number AS row "
-                f"FROM read_parquet([{paths}], filename = true, file_row_number = true)",
-                f"CREATE OR REPLACE VIEW metrics AS SELECT {_METRICS_COLUMNS} FROM metrics_written",
+                f"CREATE OR REPLACE VIEW metrics_written AS {written}",
+                f"CREATE OR REPLACE VIEW metrics AS SELECT {_COLUMNS} FROM metrics_written",
             ]
         else:  # the capture index grew columns over versions
             statements = [
                 f"CREATE OR REPLACE VIEW {table} AS "
-                f"SELECT * FROM read_parquet([{paths}], union_by_name = true)"
+                + self._union(files, "*", "*", "union_by_name = true")
             ]
         try:
             for statement in statements:
@@ -338,6 +412,62 @@ class RunStore:
         except self._duckdb.Error as e:  # binding reads the first file: it may be bad
             if not self._drop_culprit(e):
                 raise
+
+    def _union(self, files: list[tuple[str, str]], one: str, each: str, options: str) -> str:
+        """A SELECT over ``files``: over one run, its columns ``one``; over several, each
+        run's id as ``run`` and the columns ``each``, run after run."""
+        if not self.several:
+            paths = ", ".join(sql_string(f) for _, f in files)
+            return f"SELECT {one} FROM read_parquet([{paths}], {options})"
+        by_run: dict[str, list[str]] = {}
+        for run, path in files:
+            by_run.setdefault(run, []).append(sql_string(path))
+        # Each run's id is a constant of its own scan: no per-row work to name the run.
+        parts = [
+            f"SELECT {sql_string(run)} AS run, {each} "
+            f"FROM read_parquet([{', '.join(paths)}], {options})"
+            for run, paths in by_run.items()
+        ]
+        return (" UNION ALL BY NAME " if each == "*" else " UNION ALL ").join(parts)
+
+    def extent(self) -> Extent:
+        """The steps, ranks and times the readable metrics shards span, from their names
+        and Parquet footers alone: no data page is read (70 ms for 64 shards of a
+        million steps, where scanning for them took 2.3 s on 2 cores)."""
+        self.refresh()
+        stats = dict.fromkeys(("step", "time"), (None, None))
+        for _ in range(_MAX_RETRIES):
+            files = [path for _, path in self._readable("metrics")]
+            if not files:
+                return Extent(None, None, [], None, None)
+            try:
+                found = self._con.execute(
+                    "SELECT path_in_schema, min(TRY_CAST(stats_min_value AS DOUBLE)), "
+                    "max(TRY_CAST(stats_max_value AS DOUBLE)) FROM parquet_metadata($1) "
+                    "WHERE path_in_schema IN ('step', 'time') GROUP BY ALL",
+                    [files],
+                ).fetchall()
+            except self._duckdb.Error as e:  # a footer it cannot read: as a query would
+                if not self._drop_culprit(e):
+                    raise UsageError(f"cannot read the shards' footers: {_first_line(e)}") from None
+                continue
+            stats.update({column: (low, high) for column, low, high in found})
+            break
+        names = [
+            parse(p.name) for p, s in self.shards.items() if s.table == "metrics" and not s.error
+        ]
+        if all(n is not None for n in names):
+            ranks = sorted({n.rank for n in names})
+        else:  # a shard named by hand: its footer does not say, a scan does
+            ranks = [r for (r,) in self._con.execute(
+                "SELECT DISTINCT rank FROM metrics ORDER BY 1").fetchall()]  # fmt: skip
+        first, last = stats["step"]
+        return Extent(
+            None if first is None else int(first),
+            None if last is None else int(last),
+            ranks,
+            *stats["time"],
+        )
 
     def verify(self) -> list[Shard]:
         """Read every shard's footer (``syncless check``): what the names say is
@@ -377,7 +507,7 @@ class RunStore:
                 continue
             try:
                 read_table(path)
-            except (OSError, pa.ArrowException) as e:
+            except (OSError, _arrow_error()) as e:
                 self._unreadable(shard, _first_line(e))
                 found = True
             else:
@@ -385,14 +515,9 @@ class RunStore:
         return found
 
     def _unreadable(self, shard: Shard, reason: str) -> Shard:
-        bad = self.shards[shard.path] = Shard(shard.path, shard.table, 0, reason)
+        bad = self.shards[shard.path] = shard._replace(rows=0, error=reason)
         self._report(bad)
-        readable = [
-            self._real(p)
-            for p, s in self.shards.items()
-            if s.table == shard.table and s.error is None
-        ]
-        self._view(shard.table, readable)
+        self._view(shard.table, self._readable(shard.table))
         return bad
 
     def _report(self, shard: Shard) -> None:
@@ -406,6 +531,30 @@ class RunStore:
 def open(path: str | os.PathLike, *, strict: bool = False) -> RunStore:
     """Open a run directory for queries: ``syncless.run.open("runs/...").sql("...")``."""
     return RunStore(path, strict=strict)
+
+
+def open_runs(paths: Sequence[str | os.PathLike], *, strict: bool = False) -> RunStore:
+    """Open several runs as one store: run directories, and folders that hold runs.
+
+    ``syncless.run.open_runs(["runs"]).sql("SELECT * FROM runs")``: ``metrics.run`` is
+    each record's run id, the key of the ``runs`` table.
+    """
+    if isinstance(paths, str | os.PathLike):
+        paths = [paths]
+    return RunStore(list(paths), strict=strict)
+
+
+def _create_runs_table(con: duckdb.DuckDBPyConnection, runs: list[RunEntry]) -> None:
+    """The ``runs`` table, one row per run (syncless.run.runset); a table, not a view:
+    it holds what the runs' run.json files said when the store opened."""
+    table = runs_table(runs)
+    columns = ", ".join(
+        '"' + c.replace('"', '""') + f'" {t}'
+        for c, t in zip(table.columns, table.types, strict=True)
+    )
+    con.execute(f"CREATE TABLE runs ({columns})")
+    marks = ", ".join("?" for _ in table.columns)
+    con.executemany(f"INSERT INTO runs VALUES ({marks})", table.rows)
 
 
 def _read_info(path: RunPath) -> dict[str, Any]:
@@ -437,9 +586,11 @@ def _inspect(table: str, path: RunPath) -> tuple[int, str | None]:
     try:
         meta = read_metadata(path)
         schema = meta.schema.to_arrow_schema()
-    except (OSError, pa.ArrowException) as e:
+    except (OSError, _arrow_error()) as e:
         return 0, _first_line(e)
     if table == "metrics":
+        from syncless.run.parquet import SCHEMA  # pyarrow: only for shards that need a footer
+
         types = dict(zip(schema.names, schema.types, strict=True))
         problems = [
             f"{f.name} is missing" if f.name not in types else f"{f.name} is {types[f.name]}"
@@ -451,7 +602,14 @@ def _inspect(table: str, path: RunPath) -> tuple[int, str | None]:
     return meta.num_rows, None
 
 
-def _sql_string(text: str) -> str:
+def _arrow_error() -> type[Exception]:
+    import pyarrow as pa  # on first use: a query that opens no footer never imports it
+
+    return pa.ArrowException
+
+
+def sql_string(text: str) -> str:
+    """``text`` as an SQL string literal."""
     return "'" + text.replace("'", "''") + "'"
 
 

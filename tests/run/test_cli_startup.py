@@ -1,8 +1,10 @@
-"""``syncless --help``, ``query``, ``check`` and ``lint`` start without torch (issue #21).
+"""``syncless --help``, ``query``, ``check`` and ``lint`` start without what they do not
+need (issues #21, #48).
 
-Importing torch was 1.5 s of a 1.9 s ``--help``. Each command runs in a fresh
-interpreter, which then reports whether torch (or numpy, which torch pulls in) was
-imported; the time itself is a bench (``bench/cli_startup.py``), not a timed test.
+Importing torch was 1.5 s of a 1.9 s ``--help``; later the demo's arguments, pyarrow and
+rich were 0.4 s of a 0.48 s ``--help`` and of every query. Each command runs in a fresh
+interpreter, which then reports which heavy modules were imported; the time itself is a
+bench (``bench/cli_startup.py``), not a timed test.
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ with contextlib.redirect_stdout(out):
         rc = syncless.cli.main(sys.argv[1:])
     except SystemExit as e:  # --help exits from argparse
         rc = e.code
-print(json.dumps({"rc": rc, "torch": "torch" in sys.modules, "out": out.getvalue()}))
+heavy = ("torch", "numpy", "pyarrow", "duckdb", "rich", "plotly", "pandas", "syncless.demo",
+         "syncless.lint", "syncless.report")
+loaded = sorted(m for m in heavy if m in sys.modules)
+print(json.dumps({"rc": rc, "torch": "torch" in sys.modules, "loaded": loaded,
+                  "out": out.getvalue()}))
 """
 
 
@@ -88,3 +94,30 @@ def test_the_run_package_still_exports_its_names():
         assert getattr(syncless.run, name).__module__.startswith("syncless.run.")
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         syncless.run.nope  # noqa: B018
+
+
+# What a command may import: what it needs, and no more (issue #48).
+NEEDS = {
+    "--help": set(),
+    "query": {"duckdb"},  # rows print as a text table of its own, not through rich
+    "compare --help": set(),
+    "report --help": set(),
+    "demo --help": {"syncless.demo"},  # its arguments; torch only to train
+}
+
+
+@pytest.mark.parametrize("command", NEEDS)
+def test_a_command_imports_only_what_it_needs(run_dir, command):
+    argv = command.split()
+    if argv[0] == "query":
+        argv += [str(run_dir), "SELECT count(*) AS n FROM metrics", "--format", "csv"]
+    result = _probe(*argv)
+    assert result["rc"] == 0
+    assert set(result["loaded"]) == NEEDS[command], result["loaded"]
+
+
+def test_help_still_lists_every_command():
+    out = _probe("--help")["out"]
+    for command in ("demo", "query", "check", "compact", "captures", "lint", "report",
+                    "summary", "compare", "trace"):  # fmt: skip
+        assert f"\n    {command} " in out, command

@@ -41,3 +41,13 @@ def test_sql_errors_are_usage_errors(tmp_path):
             store.query("SELEC nonsense")
         with pytest.raises(UsageError, match="query failed"):
             store.query("SELECT no_such_column FROM metrics")
+
+
+def test_the_query_path_spells_the_shard_schema_as_the_writer_does():
+    """store.METRICS_COLUMNS keeps pyarrow off the query path; it must say what
+    parquet.SCHEMA says, in DuckDB's types."""
+    from syncless.run.parquet import SCHEMA
+    from syncless.run.store import METRICS_COLUMNS
+
+    duckdb_type = {"string": "VARCHAR", "int64": "BIGINT", "int32": "INTEGER", "double": "DOUBLE"}
+    assert tuple((f.name, duckdb_type[str(f.type)]) for f in SCHEMA) == METRICS_COLUMNS
