@@ -11,9 +11,10 @@
 #   pip download --no-deps --python-version 3.12 --only-binary=:all: \
 #       --platform manylinux_2_27_x86_64 -d .wheels duckdb==2.0.1   # installed, not unpacked
 # The call (device tool): carry [".wheels"], about 9.5 minutes:
-#   SYNCLESS_COMMIT=<sha> bash bench/cuda_graphs_device.sh 230 --max-seconds 300 --rounds 3
-# Arguments: the seconds the tests may take, then bench/cuda_graphs.py's arguments (none:
-# no bench). Logs, the RESULTS lines and the raw JSON land in $OUT; append the lines to
+#   SYNCLESS_COMMIT=<sha> bash bench/cuda_graphs_device.sh 200 --max-seconds 50 --rounds 3
+# Arguments: the seconds the tests may take, then bench/cuda_graphs.py's arguments for
+# each case (none: no bench; --max-seconds is per case); CASES= picks the cases, TESTS=
+# the test files. Logs, the RESULTS lines and the raw JSON land in $OUT; append the lines to
 # bench/RESULTS.md here.
 set -o pipefail
 export PYTHONPATH=$PWD/.wheels/site:$PWD:$PWD/bench PYTHONUNBUFFERED=1
@@ -39,7 +40,12 @@ done
 timeout "$seconds" python -m pytest -q -p no:cacheprovider -m cuda -rf $files 2>&1 |
   tee "$OUT/tests.log" | tail -c 6000
 echo "tests took $(($(date +%s) - start)) s"
+# One process per case: in one process the MoE cases ran out of memory that the
+# earlier cases still held (H100, 2026-12-07). --max-seconds is then per case.
 if [ "$#" -gt 0 ]; then
-  SYNCLESS_RESULTS=$OUT/results.md python bench/cuda_graphs.py --json "$OUT/bench.json" "$@" 2>&1 |
-    tee "$OUT/bench.log" | tail -c 4000
+  for case in ${CASES:-torchtitan-moe:B1xL1024 torchtitan-llama3:B4xL2048 llama-1b:B4xL2048 \
+    torchtitan-llama3:B1xL1024 llama-1b:B1xL1024 torchtitan-moe:B4xL4096}; do
+    SYNCLESS_RESULTS=$OUT/results.md python bench/cuda_graphs.py --cases "$case" \
+      --json "$OUT/bench-${case//:/-}.json" "$@" 2>&1 | tee -a "$OUT/bench.log" | tail -c 1500
+  done
 fi
