@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAMES",
         help="built-in monitors: all, or a comma list of attention, moe, activations, "
-        "norms, nonfinite",
+        "norms, nonfinite, gradients",
     )
     tools.add_argument(
         "--monitor-every",
