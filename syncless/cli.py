@@ -1,5 +1,5 @@
 """The ``syncless`` command: demo, query, check, compact, captures, report, summary, compare,
-trace, lint.
+stragglers, trace, lint.
 
 Start-up is part of the interface (issue #48): ``syncless --help`` names every command
 but builds the arguments of none, and a command builds only its own, importing only
@@ -101,9 +101,9 @@ def _add_report(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_report(args: argparse.Namespace, _rest: list[str]) -> int:
-    from syncless.report import html
+    from syncless.report import report_cli
 
-    return html.run(args)
+    return report_cli.run(args)
 
 
 def _run_summary(args: argparse.Namespace, _rest: list[str]) -> int:
@@ -123,6 +123,17 @@ def _run_compare(args: argparse.Namespace, _rest: list[str]) -> int:
     from syncless.report import compare_cli
 
     return compare_cli.run(args)
+
+
+def _add_stragglers(parser: argparse.ArgumentParser) -> None:
+    _add_run_dir(parser)
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+
+
+def _run_stragglers(args: argparse.Namespace, _rest: list[str]) -> int:
+    from syncless.report import stragglers
+
+    return stragglers.run(args)
 
 
 def _add_trace(parser: argparse.ArgumentParser) -> None:
@@ -204,6 +215,16 @@ COMMANDS: dict[str, Command] = {
         "layer that moved first, and the profile sections that changed most.",
         _add_compare,
         _run_compare,
+    ),
+    "stragglers": Command(
+        "name the ranks that were slow, in which section, from which step to which",
+        "One line per verdict the profiler recorded: the rank, the section, its score "
+        "(the fleet's median time over the rank's own: 0.5 is twice as slow), the first "
+        "and the last step it was slow; gpu_clock verdicts name the rank's SM clock. "
+        "--format json gives a list of objects (rank, section, score, first_step, "
+        "last_step). See docs/stragglers.md.",
+        _add_stragglers,
+        _run_stragglers,
     ),
     "trace": Command(
         "export the profiler's sections as a Chrome/Perfetto trace",

@@ -101,7 +101,10 @@ def _compact(ctx: Ctx) -> None:
     assert table_rows(after) == table_rows(before) == [["18"]]
 
 
-@runs("syncless check", "syncless lint", "syncless trace", "syncless query", "syncless compact")
+@runs(
+    "syncless check", "syncless lint", "syncless trace", "syncless query", "syncless compact",
+    "syncless compare", "syncless report",
+)  # fmt: skip
 def _bare(ctx: Ctx) -> None:  # the command's name: without its arguments, a usage error
     p = ctx.run(ctx.argv(), status=2)
     assert f"usage: {ctx.command} " in p.stderr
@@ -382,3 +385,19 @@ def _report_overlay(ctx: Ctx) -> None:
     assert '<section id="metrics">' in text
     assert "demo/step/loss" in [json.loads(f'"{t}"') for t in titles]  # plotly writes "\u002f"
     assert "1 key(s) differ" in text
+
+
+# ---- stragglers (README, docs/stragglers.md) ----------------------------------------
+
+
+@runs("syncless stragglers RUN_DIR")
+def _stragglers(ctx: Ctx) -> None:
+    assert "no stragglers" in ctx.run(ctx.argv()).stdout  # the shared run has no profiler
+
+
+@runs("syncless demo --nproc 4 --straggle 2:backward:20")
+def _demo_straggle(ctx: Ctx) -> None:
+    p, run_dir = ctx.demo(steps=30)  # the profiler reports every 10 steps; the first warms up
+    assert "rank 2 slow in backward" in p.stderr, p.stderr[-2000:]
+    got = json.loads(ctx.run([dc.SYNCLESS, "stragglers", str(run_dir), "--format", "json"]).stdout)
+    assert (2, "backward") in {(v["rank"], v["section"]) for v in got}

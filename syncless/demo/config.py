@@ -68,6 +68,12 @@ class DemoConfig:
     fix_router: bool = False  # token t -> experts (t*k + j) mod E, equal weights (benchmarks)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
+    # --straggle RANK:SECTION:MS: rank RANK sleeps MS ms inside SECTION (data, forward,
+    # backward, grad_sync or optimizer) at every step, from the start: a straggler for
+    # the profiler's straggler verdicts to name (docs/stragglers.md). It turns on
+    # --profile events if no --profile was given. A host sleep: on a GPU it shows in
+    # the device timings where the device waits for the host.
+    straggle: str = ""
     # output
     log_every: int = 1
     flush_interval_s: float = 10.0
@@ -123,6 +129,8 @@ class DemoConfig:
             "drop rows)",
         )
         self._validate_ep_splits(need)
+        if self.straggle:
+            straggler(self.straggle, world_size)  # raises UsageError with the reason
         if self.expert_parallel:
             need(
                 self.n_experts % world_size == 0,
@@ -165,6 +173,29 @@ class DemoConfig:
             "for a static router: add --fix-router (a learned router's counts change with "
             "every batch; use --ep-splits lookahead for it)",
         )
+
+
+# The demo's sections (syncless.demo.train) a --straggle delay can go into.
+STRAGGLE_SECTIONS = ("data", "forward", "backward", "grad_sync", "optimizer")
+
+
+def straggler(spec: str, world_size: int = 1) -> tuple[int, str, float]:
+    """``RANK:SECTION:MS`` as (rank, section, seconds); a UsageError says what is wrong."""
+    parts = spec.split(":")
+    usage = f"--straggle takes RANK:SECTION:MS, e.g. 2:backward:20; got {spec!r}"
+    if len(parts) != 3:
+        raise UsageError(usage)
+    try:
+        rank, ms = int(parts[0]), float(parts[2])
+    except ValueError:
+        raise UsageError(usage) from None
+    if not 0 <= rank < world_size:
+        raise UsageError(f"--straggle rank {rank} is not one of the {world_size} rank(s)")
+    if parts[1] not in STRAGGLE_SECTIONS:
+        raise UsageError(f"--straggle section {parts[1]!r}: one of {', '.join(STRAGGLE_SECTIONS)}")
+    if not ms > 0:
+        raise UsageError(f"--straggle delay must be > 0 ms, got {parts[2]}")
+    return rank, parts[1], ms / 1e3
 
 
 _POSITIVE = (

@@ -5,6 +5,7 @@ Both are Sinks like any other, so what they show is exactly what lands in the ru
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from syncless.run import StepRecord
 
@@ -31,6 +33,32 @@ def progress_view(
     if console.is_terminal:
         return LiveView(total_steps, title, console, first_step)
     return ProgressLines(total_steps, title, console, first_step)
+
+
+# The lead rank's record of the slowest rank per section with an open straggler verdict
+# (syncless.profile.report.straggler_values); a profiler report always has the step row.
+_STRAGGLER = re.compile(r"profile/(.+)/straggler_rank(_score|_first_step)?")
+_REPORT = "profile/step/time_ms"
+
+
+def straggler_line(records: Sequence[StepRecord]) -> str | None:
+    """The open straggler verdicts of the latest profiler report in ``records``, as one
+    line (slowest first); "" when that report named nobody; None without a report."""
+    latest = max((r.step for r in records if r.name == _REPORT), default=None)
+    if latest is None:
+        return None
+    found: dict[str, dict[str, float]] = {}
+    for r in records:
+        match = _STRAGGLER.fullmatch(r.name)
+        if match and r.step == latest:
+            found.setdefault(match.group(1), {})[match.group(2) or "rank"] = r.value
+    parts = [
+        f"rank {v['rank']:.0f} slow in {section} (score {v.get('_score', float('nan')):.2f}, "
+        f"since step {v.get('_first_step', latest):.0f})"
+        for section, v in sorted(found.items(), key=lambda kv: kv[1].get("_score", 1.0))
+        if "rank" in v
+    ]
+    return "stragglers: " + "; ".join(parts) if parts else ""
 
 
 def _latest(records: Sequence[StepRecord]) -> dict[int, dict[str, float]]:
@@ -52,6 +80,7 @@ class LiveView:
         self.title = title
         self.first_step = first_step
         self.rows: deque[tuple[int, dict[str, float]]] = deque(maxlen=8)
+        self.stragglers = ""  # the latest profiler report's verdicts, as a line
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -73,9 +102,15 @@ class LiveView:
                 fmt.format(values[k]) if k in values else "-" for k, (_, fmt) in COLUMNS.items()
             ]
             table.add_row(str(step), *cells)
+        if self.stragglers:
+            return Group(self.progress, table, Text(self.stragglers, style="bold red"))
         return Group(self.progress, table)
 
     def write(self, records: Sequence[StepRecord]) -> None:
+        line = straggler_line(records)
+        if line is not None and line != self.stragglers:
+            self.stragglers = line
+            self.live.update(self._render())
         steps = _latest(records)
         if not steps:
             return
@@ -99,6 +134,10 @@ class ProgressLines:
 
         syncless demo (cpu, 1 rank(s)): step 120 (121/200)  loss 2.4512  tokens/s 61,204  step ms 8.4  (5.0 s)
 
+    and, when the profiler's straggler verdicts change, a line of their own::
+
+        syncless demo (cpu, 4 rank(s)): stragglers: rank 2 slow in backward (score 0.31, since step 0)
+
     and on a GPU whose peak is known (the title names it)::
 
         syncless demo (cuda, 1 rank(s), peak 989 TFLOP/s bf16): step 60 (61/120)  loss 1.8710  tokens/s 97,312  MFU 39.7%  step ms 252.5  (21.3 s)
@@ -121,8 +160,15 @@ class ProgressLines:
         self.start = time.monotonic()
         self._printed_at: float | None = None  # None: print the first logged step
         self._unprinted: tuple[int, dict[str, float]] | None = None
+        self.stragglers = ""  # the verdicts printed last
 
     def write(self, records: Sequence[StepRecord]) -> None:
+        line = straggler_line(records)
+        if line is not None and line != self.stragglers:  # printed when they change
+            self.stragglers = line
+            if not self.console.quiet:
+                text = line or "stragglers: none now"
+                print(f"{self.title}: {text}", file=self.console.file, flush=True)
         steps = _latest(records)
         if not steps:
             return

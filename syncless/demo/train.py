@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import math
 import signal
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from rich.console import Console
 
-from syncless.demo.config import DemoConfig
+from syncless.demo.config import DemoConfig, straggler
 from syncless.demo.data import BatchSampler, stdlib_corpus
 from syncless.demo.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from syncless.demo.experts import Experts, resolve_impl
@@ -186,6 +187,10 @@ def _train(
     if ranks.is_main:
         # Per-run views: rank 0's records, the demo's step numbers being global already.
         run.sinks += view_sinks(sinks, run.dir)
+    if cfg.straggle and not any(getattr(t, "name", "") == "profile" for t in tools):
+        from syncless.demo.profile_tool import ProfileTool
+
+        tools = [*tools, ProfileTool("events")]  # the profiler names the straggler
     try:
         return _train_in(cfg, ranks, device, run, quiet, tools, console)
     except Stopped as stop:
@@ -247,6 +252,7 @@ def _train_in(
         if isinstance(m, Experts) and m.capacity_factor > 0 and m.resolved(device, dtype) == "padded"
     ]  # fmt: skip
     rows_per_step = cfg.batch_size * cfg.seq_len * cfg.top_k * cfg.n_layers
+    delays = _delays(cfg, ranks.rank)  # --straggle: {section: seconds} on its rank
     log = StepLog(run, throughput, device, first, dropping, rows_per_step)
     to_device = PinnedCopies(device) if device.type == "cuda" else _on(device)
     final = first + cfg.steps - 1
@@ -262,12 +268,20 @@ def _train_in(
             prof = demo_ctx.profiler  # per step: a benchmark may switch profilers between steps
             with prof.section("data"):
                 inputs, targets = to_device(demo_ctx.batches(step))
+                if delays:
+                    _straggle(delays, "data")
             with prof.section("forward"), _autocast(cfg, device):
                 logits, balance = model(inputs)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                if delays:
+                    _straggle(delays, "forward")
             with prof.section("backward"):
                 (loss + aux_loss_coef * balance if aux_loss_coef else loss).backward()
+                if delays:
+                    _straggle(delays, "backward")
             with prof.section("grad_sync", category="collective"):
+                if delays:
+                    _straggle(delays, "grad_sync")  # before the collective: the others wait
                 # The routers' expert loads ride in the gradient all_reduce.
                 sync_gradients(model, expert_parallel, also=balancer.loads)
                 grad_norm = clip_grad_norm(model, cfg.grad_clip, expert_parallel)
@@ -275,6 +289,8 @@ def _train_in(
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 balancer.step()
+                if delays:
+                    _straggle(delays, "optimizer")
             lr = schedule.get_last_lr()[0]
             schedule.step()
             demo_ctx.checked = {"loss": loss.detach(), "grad_norm": grad_norm}
@@ -306,6 +322,22 @@ def _train_in(
     finally:
         gc.unfreeze()
     return result
+
+
+def _delays(cfg: DemoConfig, rank: int) -> dict[str, float]:
+    """``--straggle``'s delay on this rank: {section: seconds}, or {}."""
+    if not cfg.straggle:
+        return {}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    slow_rank, section, seconds = straggler(cfg.straggle, world)
+    return {section: seconds} if rank == slow_rank else {}
+
+
+def _straggle(delays: dict[str, float], section: str) -> None:
+    """Sleep ``--straggle``'s delay if it is for ``section`` (a host sleep)."""
+    seconds = delays.get(section)
+    if seconds:
+        time.sleep(seconds)
 
 
 def _read(log: StepLog, result: DemoResult) -> bool:

@@ -27,11 +27,13 @@ from torch import nn
 from syncless.hot_path import hot_path
 from syncless.profile import collective_calls
 from syncless.profile import report as _report
+from syncless.profile import stragglers as _stragglers
 from syncless.profile import summary as _summary
 from syncless.profile.calibrate import Calibration, calibrate
 from syncless.profile.graph_sections import UNTIMED_RECORD, GraphSections
 from syncless.profile.module_hooks import ModuleHandle
 from syncless.profile.spans import ProfileMisuse, Span, SpanRecorder
+from syncless.profile.stragglers import StepTimes, StragglerConfig, StragglerDetector, Verdict
 from syncless.profile.table import DISTORTION, graph_notes, render
 from syncless.profile.timers import Timer, make_timer
 from syncless.run.console import print_wide
@@ -62,6 +64,12 @@ class Profiler:
         calibrate: measure the instruments' own costs at the first step (a collective
             when distributed); ``False`` skips it.
         console: where ``report(print_table=True)`` prints.
+        stragglers: score every report's sections against the fleet
+            (:class:`~syncless.profile.stragglers.StragglerConfig`; ``False``: off).
+            Verdicts are in ``ProfileReport.stragglers`` and its records; see
+            docs/stragglers.md. On CUDA, GPU sensors are sampled through NVML too.
+        on_straggler: called with each :class:`~syncless.profile.stragglers.Verdict`
+            once, when it opens, on every rank (every rank gathers every summary).
     """
 
     def __new__(cls, mode: str | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -83,6 +91,8 @@ class Profiler:
         run_name: str = "run",
         calibrate: bool = True,
         console: Console | None = None,
+        stragglers: StragglerConfig | bool = True,
+        on_straggler: Callable[[Verdict], None] | None = None,
     ) -> None:
         mode = "events" if mode is None else mode
         if mode not in MODES:
@@ -114,6 +124,16 @@ class Profiler:
         self._world = 1
         self._rank = 0
         self._rdv: torch.Tensor | None = None
+        if stragglers is False:
+            self._stragglers: StragglerDetector | None = None
+        else:
+            config = stragglers if isinstance(stragglers, StragglerConfig) else None
+            self._stragglers = StragglerDetector(config, on_straggler)
+        # NVML sensors, sampled on a thread (syncless.profile.gpu_sensors): started at
+        # setup on CUDA when stragglers are scored.
+        self._sensors: Any = None
+        # Per-step section times of the window: stragglers score their medians.
+        self._step_times = StepTimes() if self._stragglers is not None else None
 
     @property
     def _timer(self) -> Timer:
@@ -149,6 +169,10 @@ class Profiler:
         if self._want_calibration:
             self._want_calibration = False
             self.calibrate()
+        if self.cuda and self._stragglers is not None and self._sensors is None:
+            from syncless.profile.gpu_sensors import GpuSensors
+
+            self._sensors = GpuSensors.start(torch.cuda.current_device())
 
     def calibrate(self) -> Calibration:
         """Measure the instruments (a collective when distributed: call it on every rank).
@@ -181,7 +205,12 @@ class Profiler:
 
     def end_step(self) -> None:
         """Close the open step and read the previous step's device times (lagged)."""
-        self._recorder.end_step()
+        recorder = self._recorder
+        recorder.end_step()
+        if self._step_times is not None and self._world > 1:  # cold: host lists only
+            t_in = time.perf_counter_ns()
+            self._step_times.take(recorder._time_ns, recorder._step_sid)
+            recorder.self_ns += time.perf_counter_ns() - t_in
 
     def step(self, step: int | None = None) -> _StepContext:
         """``with prof.step(n):`` = ``begin_step(n)`` ... ``end_step()``."""
@@ -244,8 +273,16 @@ class Profiler:
     # -- report (cold, collective) ------------------------------------------------------
 
     def summary(self) -> _summary.RankSummary:
-        """This rank's totals for the current window (reads any lagged events)."""
-        return self._recorder.summary(self._rank)
+        """This rank's totals for the current window (reads any lagged events), with
+        its GPU sensors over the window where NVML samples them."""
+        recorder = self._recorder
+        mine = recorder.summary(self._rank)
+        if self._step_times is not None and self._world > 1:  # its last step, read now
+            self._step_times.take(recorder._time_ns, recorder._step_sid)
+            mine.step_medians = self._step_times.medians(recorder._meta)
+        if self._sensors is not None:
+            mine.sensors = self._sensors.summary()
+        return mine
 
     def report(
         self, step: int | None = None, *, force: bool = False, print_table: bool = False
@@ -290,6 +327,13 @@ class Profiler:
             graph_notes(recorder.graphs.timed, mine.untimed_graph_spans, UNTIMED_RECORD),
         )
         vals = _report.values(mine, rows, lates)
+        verdicts: list[Verdict] = []
+        if self._stragglers is not None:
+            # Cold path: numpy over the summaries gathered above, no collective.
+            fleet = _stragglers.fleet(summaries)
+            verdicts = self._stragglers.update(fleet, at - mine.steps + 1, at)
+            lead = self._rank == min(s.rank for s in summaries)
+            vals |= _report.straggler_values(self._stragglers, verdicts, self._rank, lead)
         rep = _report.ProfileReport(
             step=at,
             steps=mine.steps,
@@ -298,8 +342,11 @@ class Profiler:
             table=table,
             values=vals,
             records=_report.records(self.run_name, at, self._rank, vals),
+            stragglers=verdicts,
         )
         recorder.reset_window()
+        if self._step_times is not None:
+            self._step_times.reset()
         if print_table:
             print_wide(self.console or Console(file=sys.stdout), table)
         return rep

@@ -6,10 +6,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 from rich.table import Table
 
 from syncless.profile.graph_sections import UNTIMED_RECORD
 from syncless.profile.names import metric
+from syncless.profile.stragglers import CLOCK_SECTION, StragglerDetector, Verdict
 from syncless.profile.summary import Late, RankSummary, Row
 from syncless.run.records import StepRecord
 
@@ -25,6 +27,8 @@ class ProfileReport:
     table: Table
     values: dict[str, float]  # metric name -> value on this rank (for ``Run.log``)
     records: list[StepRecord] = field(default_factory=list)
+    # Open straggler verdicts after this report (syncless.profile.stragglers).
+    stragglers: list[Verdict] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[StepRecord]:
         return iter(self.records)
@@ -70,6 +74,54 @@ def values(me: RankSummary, rows: list[Row], lates: list[Late]) -> dict[str, flo
     for late in lates:
         # A rank id: dimensionless.
         out[metric(late.collective, "late_rank")] = float(late.late_rank)
+    for key, value in (me.sensors or {}).items():
+        out[metric("gpu_sensors", key)] = value
+    return out
+
+
+def straggler_values(
+    detector: StragglerDetector, verdicts: list[Verdict], rank: int, lead: bool
+) -> dict[str, float]:
+    """This rank's straggler records: its window score per scored section
+    (``straggler_score``, dimensionless) and, while a verdict on it is open, the
+    verdict: ``straggler_verdict_first_step``, ``_last_step``, ``_score`` (and
+    ``_clock_mhz`` for ``gpu_clock``). ``syncless stragglers`` reads these back with one
+    filter on ``/straggler_verdict_``: the scores of every rank and section are not
+    scanned (on 1,024 ranks they are 1M records of a 5M-record run). The lead rank (the lowest) also records, per
+    section with a verdict, the rank with the lowest score: ``straggler_rank``,
+    ``straggler_rank_score`` and ``straggler_rank_first_step`` (what the demo's live
+    view reads, which sees rank 0's records only).
+
+    At 1,024 ranks x 50 sections this is 50 records per rank per report, beside the
+    4 to 6 the profiler already writes per section: the whole score matrix is kept
+    (the report's heat map reads it), written by the rank it belongs to.
+    """
+    out: dict[str, float] = {}
+    row = int(np.searchsorted(detector.ranks, rank))
+    if row < len(detector.ranks) and detector.ranks[row] == rank:
+        for section, score in zip(detector.sections, detector.scores[row].tolist(), strict=True):
+            if score == score:  # not NaN: the rank ran it
+                out[metric(section, "straggler_score")] = score
+        if (
+            detector.clock_scores is not None
+            and detector.clock_scores[row] == detector.clock_scores[row]
+        ):
+            out[metric(CLOCK_SECTION, "straggler_score")] = float(detector.clock_scores[row])
+    worst: dict[str, Verdict] = {}
+    for v in verdicts:
+        if v.rank == rank:
+            out[metric(v.section, "straggler_verdict_first_step")] = float(v.first_step)
+            out[metric(v.section, "straggler_verdict_last_step")] = float(v.last_step)
+            out[metric(v.section, "straggler_verdict_score")] = v.score  # dimensionless
+            if v.clock_mhz is not None:
+                out[metric(v.section, "straggler_verdict_clock_mhz")] = v.clock_mhz
+        if v.section not in worst or v.score < worst[v.section].score:
+            worst[v.section] = v
+    if lead:
+        for section, v in worst.items():
+            out[metric(section, "straggler_rank")] = float(v.rank)
+            out[metric(section, "straggler_rank_score")] = v.score
+            out[metric(section, "straggler_rank_first_step")] = float(v.first_step)
     return out
 
 

@@ -31,6 +31,12 @@ class RankSummary:
     sections: dict[str, SectionTotals] = field(default_factory=dict)
     # Spans captured into CUDA graphs that no replay times (since the profiler started).
     untimed_graph_spans: int = 0
+    # GPU sensors over the window (syncless.profile.gpu_sensors.SensorSummary as a
+    # dict: sm_clock_mhz, sm_clock_min_mhz, ...); None without NVML.
+    sensors: dict[str, float] | None = None
+    # Each plain section's median time per step over the window (ns), where the
+    # profiler kept per-step times (syncless.profile.stragglers.StepTimes).
+    step_medians: dict[str, float] | None = None
 
 
 @dataclass

@@ -9,25 +9,28 @@ built from the parts in ``report/page_parts.py``. Sections a run lacks are left 
 
 from __future__ import annotations
 
-import argparse
 import html
 import logging
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from syncless.errors import UsageError
-from syncless.report import sections_layers, sections_run, sections_time, sections_usage
+from syncless.report import (
+    sections_layers,
+    sections_run,
+    sections_stragglers,
+    sections_time,
+    sections_usage,
+)
 from syncless.report.page_parts import Section, figure, table
-from syncless.run.rundir import RUN_JSON
 from syncless.run.storage import RunPath, run_path, write_whole
 
 if TYPE_CHECKING:
     from syncless.report.data import RunData
 
-__all__ = ["Section", "build", "document", "figure", "run", "save", "table", "write"]
+__all__ = ["Section", "build", "document", "figure", "save", "table", "write"]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,9 @@ def build(run_dir: str | Path) -> str:
 
     with RunStore(run_dir) as store:
         data = load(store)
-    return page(data, sections(data))
+        # Per rank and report, which the bucketed curves of RunData do not keep.
+        stragglers = sections_stragglers.sections(store) if data.steps else []
+    return page(data, sections(data) + stragglers)
 
 
 def page(data: RunData, parts: list[Section]) -> str:
@@ -127,18 +132,3 @@ def save(path: RunPath, text: str) -> RunPath:
     except OSError as e:
         raise UsageError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
     return path
-
-
-def run(args: argparse.Namespace) -> int:
-    """The ``syncless report`` command: one run's report, or several runs overlaid."""
-    started = time.perf_counter()
-    if len(args.runs) == 1 and (run_path(args.runs[0]) / RUN_JSON).is_file():
-        path = write(args.runs[0], args.output)
-    else:
-        from syncless.report import overlay
-
-        path = overlay.write(args.runs, args.output)
-    size = path.stat().st_size / 1e6
-    took = time.perf_counter() - started
-    print(f"wrote {path} ({size:.1f} MB, {took:.1f} s)", file=sys.stdout)
-    return 0
