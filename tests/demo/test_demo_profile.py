@@ -66,9 +66,10 @@ def test_bad_profile_mode(capsys):
 
 
 def test_routing_trace_matches_a_recomputation(tmp_path):
-    """With lr 1e-30 the weights never move (the update is below a float32 ulp), so step
-    s's routing ids can be recomputed from a fresh model and step s's batch: the trace
-    must hold exactly those ids."""
+    """With lr 1e-30 the weights never move (the update is below a float32 ulp), and
+    with ``--balance aux`` no router bias does, so step s's routing ids can be
+    recomputed from a fresh model and step s's batch: the trace must hold exactly
+    those ids."""
     import numpy as np
     import torch
 
@@ -77,10 +78,10 @@ def test_routing_trace_matches_a_recomputation(tmp_path):
     from syncless.demo.model import MoETransformer, init_weights
 
     run_dir = tmp_path / "run"
-    argv = ["demo", "--steps", "3", "--lr", "1e-30", "--weight-decay", "0", "--profile", "events",
-            "--profile-trace", "--run-dir", str(run_dir), "--quiet"]  # fmt: skip
+    argv = ["demo", "--steps", "3", "--lr", "1e-30", "--weight-decay", "0", "--balance", "aux",
+            "--profile", "events", "--profile-trace", "--run-dir", str(run_dir), "--quiet"]  # fmt: skip
     assert main(argv) == 0
-    cfg = preset("tiny")
+    cfg = preset("tiny", balance="aux")
     model = MoETransformer(cfg)
     init_weights(model, cfg.seed)
     sampler = BatchSampler(
