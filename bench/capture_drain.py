@@ -103,7 +103,7 @@ def capture_host_us(device: torch.device, calls: int) -> float:
 def driver_floor_us(device: torch.device, calls: int) -> float | None:
     """Median host time of the driver call a contiguous CUDA capture makes while the
     drain batches (cuMemcpyDtoDAsync of 4 KiB; the drain records the landing event,
-    syncless.capture.landing), without the engine's Python."""
+    syncless.capture.ring.landing), without the engine's Python."""
     from syncless.cuda_driver import current_raw_stream, driver
 
     drv = driver() if device.type == "cuda" else None

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from syncless.capture.sink import CAPTURES_DIR, CaptureSink, SafetensorsSink
-from syncless.capture.sink_fsspec import FsspecSink
+from syncless.capture.sinks.fsspec import FsspecSink
+from syncless.capture.sinks.shards import CAPTURES_DIR, CaptureSink, SafetensorsSink
 from syncless.run.storage import is_remote
 
 if TYPE_CHECKING:

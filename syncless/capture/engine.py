@@ -4,7 +4,7 @@ A capture point (a forward hook, a training loop) calls ``engine.capture(tag,
 tensor)``. That reserves space for the tensor in a preallocated device ring (host
 bookkeeping from its shape and dtype: no sync) and copies it there device to device on
 the current stream; an event says when the copy has landed (recorded by the drain for
-batched captures, :mod:`syncless.capture.landing`). A drain worker copies ready
+batched captures, :mod:`syncless.capture.ring.landing`). A drain worker copies ready
 records, whole and oldest first, into a preallocated pinned staging ring on its own
 stream and hands them to the sink (safetensors shards plus a Parquet index in the run
 directory). When the framework declares recurring windows
@@ -16,11 +16,12 @@ Nothing is lost silently: a record is stored, or dropped and counted with a reas
 (:class:`~syncless.capture.stats.DropReason`). See docs/capture.md.
 
 The engine owns its parts and is their only link: the device ring and its copier
-(:mod:`~syncless.capture.ring_copy`), the record queue (:mod:`~syncless.capture.records`),
-the boundary clock (:mod:`~syncless.capture.boundary`), the grant controller, the
-counters (:mod:`~syncless.capture.stats`), the writer (:mod:`~syncless.capture.writer`)
-and the drain (:mod:`~syncless.capture.drain`). docs/capture.md opens with who owns
-whom and which thread runs what.
+(:mod:`~syncless.capture.ring.copier`), the record queue
+(:mod:`~syncless.capture.ring.records`), the boundary clock
+(:mod:`~syncless.capture.boundary`), the grant controller, the counters
+(:mod:`~syncless.capture.stats`), the writer (:mod:`~syncless.capture.writer`) and the
+drain (:mod:`~syncless.capture.drain`). docs/capture.md opens with who owns whom and
+which thread runs what.
 """
 
 from __future__ import annotations
@@ -45,13 +46,13 @@ from syncless.capture.config import (
 )
 from syncless.capture.controller import ControllerConfig, GrantController
 from syncless.capture.drain import DrainWorker
+from syncless.capture.drain.window_reports import WindowReport
 from syncless.capture.engine_setup import check_sizes, event_factory, resolve_controller
-from syncless.capture.records import VOID, WRITTEN, Record, RecordQueue
-from syncless.capture.ring_copy import RingCopier
+from syncless.capture.ring.copier import RingCopier
+from syncless.capture.ring.records import VOID, WRITTEN, Record, RecordQueue
 from syncless.capture.shortfall import Shortfall
-from syncless.capture.sink import CaptureSink
+from syncless.capture.sinks.shards import CaptureSink
 from syncless.capture.stats import GAUGES, SELF_COUNTERS, CaptureStats, DropReason, ThreadClock
-from syncless.capture.window_reports import WindowReport
 from syncless.capture.windows import WindowPattern
 from syncless.capture.writer import SinkWriter, writer_count
 from syncless.guard import allow_sync
@@ -74,7 +75,7 @@ class CaptureEngine:
         ring_bytes: bytes of the device ring that captures copy into.
         staging_bytes: bytes of the pinned host staging ring the drain copies into; the
             most one transfer (and one window grant) can carry. At most ``ring_bytes``.
-        sink: a :class:`~syncless.capture.sink.CaptureSink`, or a run directory (then
+        sink: a :class:`~syncless.capture.sinks.shards.CaptureSink`, or a run directory (then
             ``SafetensorsSink(run_dir, rank)``). Default: the ``run``'s directory.
         device: where the tensors to capture live; default the current CUDA device if
             there is one, else the CPU. Every captured tensor must be on it.

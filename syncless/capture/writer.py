@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from syncless.capture.sink import CapturedRecord, CaptureSink
+from syncless.capture.sinks.shards import CapturedRecord, CaptureSink
 from syncless.capture.stats import CaptureStats, DropReason
 from syncless.errors import UsageError
 

@@ -42,7 +42,7 @@ __all__ = ["RunStore", "Shard", "UnreadableShardError", "check_query", "open", "
 log = logging.getLogger(__name__)
 
 # table -> (folder in the run directory, shard file pattern). "captures" is
-# syncless.capture.sink.CAPTURES_DIR, spelled out here: that module imports torch.
+# syncless.capture.sinks.shards.CAPTURES_DIR, spelled out here: that module imports torch.
 TABLES = {"metrics": (METRICS_DIR, "*.parquet"), "captures": ("captures", "rank*-*.parquet")}
 
 # syncless.run.parquet.SCHEMA in DuckDB's types, spelled out: that module imports

@@ -160,7 +160,7 @@ def test_driver_copies_are_byte_exact_and_ordered_on_the_current_stream() -> Non
     """Contiguous tensors go through cuMemcpyDtoDAsync on the current stream (here a
     side stream whose producer kernel is still running); every other layout through
     torch. Ground truth: clones taken on the producing stream."""
-    from syncless.capture.ring_copy import RingCopier
+    from syncless.capture.ring.copier import RingCopier
 
     driver_copies, deferred, streams = [], [], []
     original = RingCopier._driver_copy

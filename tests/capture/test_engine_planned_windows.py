@@ -17,7 +17,7 @@ from syncless.guard import no_sync
 
 
 def test_planned_windows_are_taken_in_order_from_the_first_unpublished_open() -> None:
-    from syncless.capture.drain_windows import _windows_from
+    from syncless.capture.drain.windows import _windows_from
 
     pattern = WindowPattern(6, [(1, 2), (3, 5)])  # OPENs at 1 and 3 of every 6
     # (occurrence, position, open boundary, close boundary), one period's worth.

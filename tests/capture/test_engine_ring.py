@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from syncless.capture import CaptureEngine, MemorySink
-from syncless.capture.ring import ByteRing
+from syncless.capture.ring.byte_ring import ByteRing
 
 
 class Model:

@@ -3,7 +3,7 @@
 A torch op on a CPU tensor from a thread of its own starts an OpenMP team for that
 thread, whose spinning workers take the cores of the training thread's team: on the
 2-core CI host, capturing every layer of a 16-layer model cost its step +166%, and
-+23% once the drain copied with a memmove (syncless/capture/staging_copy.py). The spy below records the thread of every
++23% once the drain copied with a memmove (syncless/capture/drain/staging.py). The spy below records the thread of every
 ``Tensor.copy_``/``clone`` call while the engine stores a mix of records (an oversized
 one and empty ones included) into a MemorySink, which copies them on a writer thread.
 """

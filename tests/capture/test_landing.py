@@ -1,5 +1,5 @@
 """Landing events the drain records for copies captured without one
-(syncless.capture.landing), against a hand-run model of the streams: an event recorded
+(syncless.capture.ring.landing), against a hand-run model of the streams: an event recorded
 on a stream completes when the test says that stream got there."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import itertools
 
 import torch
 
-from syncless.capture.landing import LandingMarks
-from syncless.capture.records import READY, VOID, WRITTEN, Record, RecordQueue
+from syncless.capture.ring.landing import LandingMarks
+from syncless.capture.ring.records import READY, VOID, WRITTEN, Record, RecordQueue
 from syncless.capture.stats import DropReason
 
 

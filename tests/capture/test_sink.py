@@ -207,7 +207,7 @@ def test_a_write_that_fails_on_a_full_disk_leaves_no_file_behind(
 ) -> None:
     # A failed shard's records are counted as dropped; a partial file, or a shard with
     # no index, would also hold the disk space the next write needs.
-    import syncless.capture.sink as sink_module
+    import syncless.capture.sinks.shards as sink_module
 
     def full_disk(*args: object, **kwargs: object) -> None:
         raise OSError(28, "No space left on device")

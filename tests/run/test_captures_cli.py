@@ -10,7 +10,7 @@ import pytest
 import torch
 from run_store_helpers import make_run, truncate
 
-from syncless.capture.sink import CapturedRecord, SafetensorsSink
+from syncless.capture.sinks.shards import CapturedRecord, SafetensorsSink
 from syncless.cli import main
 
 # tag -> one tensor per (step, rank); dtypes and shapes differ between the tags

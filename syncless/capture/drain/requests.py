@@ -2,7 +2,7 @@
 (lifecycle), and captures waiting on a full ring (capacity, block).
 
 Any thread submits a :class:`Request` and waits on its ``done`` event; the drain's loop
-serves them first, in order (:mod:`syncless.capture.drain`, step 3).
+serves them first, in order (:mod:`syncless.capture.drain.worker`, step 3).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from syncless.capture.controller import FlushKind, GrantController
-from syncless.capture.drain_batching import DrainBatching
-from syncless.capture.drain_transfers import DrainTransfers
-from syncless.capture.drain_windows import DrainWindows
-from syncless.capture.records import RecordQueue
-from syncless.capture.staging_copy import StagingCopier
+from syncless.capture.drain.batching import DrainBatching
+from syncless.capture.drain.staging import StagingCopier
+from syncless.capture.drain.transfers import DrainTransfers
+from syncless.capture.drain.windows import DrainWindows
+from syncless.capture.ring.records import RecordQueue
 from syncless.capture.stats import CaptureStats
 from syncless.capture.writer import SinkWriter
 

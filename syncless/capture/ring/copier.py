@@ -17,7 +17,7 @@ The copy is the floor of a capture's host time: 5-8 us of the H200 host per
 
 ``defer``: the driver's copy records no event; the drain records one later on the same
 stream, after the newest such copy (:meth:`DrainTransfers.mark_landed
-<syncless.capture.drain_transfers.DrainTransfers.mark_landed>`). A batching drain waits
+<syncless.capture.drain.transfers.DrainTransfers.mark_landed>`). A batching drain waits
 for the newest record it gathered anyway, so that event lands at about the same time
 and the training thread makes one driver call per capture instead of two. The engine
 defers only while the drain batches: in planned windows a late event could also cover
@@ -42,7 +42,7 @@ import functools
 
 import torch
 
-from syncless.capture.records import Record
+from syncless.capture.ring.records import Record
 from syncless.capture.stats import DropReason
 from syncless.cuda_driver import current_raw_stream_fn, driver
 from syncless.hot_path import hot_path

@@ -1,14 +1,14 @@
 """When a record's copy into the device ring has landed: its landing event.
 
 A capture enqueues its copy on the training stream. Either it records its own slot's
-event right after (:mod:`syncless.capture.ring_copy`, planned windows), or it leaves
+event right after (:mod:`syncless.capture.ring.copier`, planned windows), or it leaves
 ``Record.landed`` empty and the drain records one event per stream later, after the
 newest such copy (:meth:`LandingMarks.mark`): a stream reaches that event only after
 every copy enqueued on it before, so one event covers them all. That saves the
 training thread a driver call per capture; the batching drain waits for the newest
 record it gathered anyway, so the event lands at about the same time.
 
-A deferred copy (``Record.source``, :mod:`syncless.capture.ring_copy`) is enqueued here
+A deferred copy (``Record.source``, :mod:`syncless.capture.ring.copier`) is enqueued here
 too, on its capture's stream, just before that stream's landing event. Neither is
 enqueued on a stream that is being captured into a CUDA graph (the user's
 ``torch.cuda.graph`` or ``torch.compile(mode="reduce-overhead")``): it would join the
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from syncless.capture.records import READY, RESERVED, VOID, WRITTEN, Record, RecordQueue
+from syncless.capture.ring.records import READY, RESERVED, VOID, WRITTEN, Record, RecordQueue
 from syncless.capture.stats import DropReason
 from syncless.cuda_driver import driver
 from syncless.guard import allow_sync
@@ -43,7 +43,7 @@ class LandingMarks:
         capturing: ``capturing(custream) -> bool``, is the stream in CUDA graph
             capture (default: the driver's ``cuStreamIsCapturing``).
         copy_held: enqueues one stream's deferred copies and says, per record, why
-            not, if it did not (:meth:`RingCopier.copy_held <syncless.capture.ring_copy.
+            not, if it did not (:meth:`RingCopier.copy_held <syncless.capture.ring.copier.
             RingCopier.copy_held>`); required once a record holds its tensor.
         lost: told of a deferred record that could not be copied (counts the drop).
     """

@@ -4,9 +4,9 @@ The values that cross between them: a :class:`Grant` (and its :class:`GrantReaso
 answers a window OPEN, an :class:`Outcome` says what the controller made of a
 completion, a :class:`FlushKind` says why the engine drained outside a window, and a
 :class:`WindowEvidence` is a snapshot of what the controller knows about one window
-position. They live apart from :mod:`syncless.capture.controller` so that the engine's
-copy and drain code can name them without the learning rules; all of them are
-re-exported there.
+position. They live apart from :mod:`syncless.capture.controller.grants` so that the
+engine's copy and drain code can name them without the learning rules; all of them are
+re-exported by the package, :mod:`syncless.capture.controller`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class GrantReason(str, Enum):
     SAFE = "safe"  # only A, E not larger: A
     ESTIMATE = "estimate"  # only A, E larger: E
     SHORT_OCCURRENCES = "short_occurrences"  # the evidence's budget, capped by timing
-    # for the window's short recent occurrences (see syncless.capture.controller_learning)
+    # for the window's short recent occurrences (see syncless.capture.controller.learning)
     PROBE = "probe"  # the first record exceeds the budget: it goes alone
     COOLDOWN = "cooldown"  # the first record exceeds the budget, probes backing off
     TOO_SHORT = "too_short"  # the first record exceeds the budget and the window's last

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from syncless.capture.controller_config import ControllerConfig
+from syncless.capture.controller.config import ControllerConfig
 
 __all__ = ["CapacityFlushes"]
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from syncless.capture.boundary import BoundaryClock
 from syncless.capture.controller import GrantController
-from syncless.capture.staging_copy import Transfer
+from syncless.capture.drain.staging import Transfer
 from syncless.capture.stats import CaptureStats
 
 __all__ = ["WindowReport", "WindowReporter"]

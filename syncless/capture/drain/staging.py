@@ -4,7 +4,7 @@ A transfer is the oldest ready records, whole, packed back to back into the pinn
 staging ring by one copy per contiguous run of the device ring (two when the records
 wrap around its end) on a dedicated copy stream, between two stamps. Records larger
 than the staging ring go one by one into a fresh host buffer (an *oversized flush*).
-Which records go, and when, is the drain's decision (:mod:`syncless.capture.drain`).
+Which records go, and when, is the drain's decision (:mod:`syncless.capture.drain.worker`).
 The staging ring is locked: the writer gives space back from its own threads, and a
 planned window's copy is enqueued by the framework's thread.
 """
@@ -22,9 +22,9 @@ import torch
 
 from syncless.capture.boundary import Stamp, Timeline
 from syncless.capture.controller import Grant
-from syncless.capture.records import VOID, Record
-from syncless.capture.ring import ByteRing
-from syncless.capture.sink import CapturedRecord
+from syncless.capture.ring.byte_ring import ByteRing
+from syncless.capture.ring.records import VOID, Record
+from syncless.capture.sinks.shards import CapturedRecord
 from syncless.hot_path import hot_path
 
 __all__ = ["StagedRecords", "StagingCopier", "Transfer"]
@@ -33,7 +33,7 @@ __all__ = ["StagedRecords", "StagingCopier", "Transfer"]
 class StagedRecords:
     """A transfer's records for the sink, kept as columns until the writer iterates.
 
-    Iterating yields one :class:`~syncless.capture.sink.CapturedRecord` per record, with
+    Iterating yields one :class:`~syncless.capture.sinks.shards.CapturedRecord` per record, with
     its view of the host memory, right before the sink's ``write``: made by the drain
     at the transfer, those objects lived until their shard was written, and Python's
     collector, which counts the tracked objects alive, ran 20x as often with every layer

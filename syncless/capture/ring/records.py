@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from syncless.capture.ring import ByteRing
+from syncless.capture.ring.byte_ring import ByteRing
 from syncless.capture.stats import DropReason
 from syncless.hot_path import hot_path
 
@@ -74,7 +74,7 @@ class Record:
         self.landed: Any = None
         self.mark = -1
         self.stream = 0  # the raw CUstream the copy was enqueued on
-        # A deferred copy (syncless.capture.ring_copy): the tensor, held until the drain
+        # A deferred copy (syncless.capture.ring.copier): the tensor, held until the drain
         # enqueues its copy on ``stream``, and its version counter and address at the
         # capture, which say whether it changed in between. None once copied; the
         # tensor is then ``kept`` until the record is released, so that its memory is

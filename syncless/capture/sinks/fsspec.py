@@ -1,7 +1,7 @@
 """``FsspecSink``: the safetensors sink's layout on any fsspec filesystem (S3, GCS, ...).
 
 The files, their names and the index columns are those of
-:class:`~syncless.capture.sink.SafetensorsSink`; only where they go differs.
+:class:`~syncless.capture.sinks.shards.SafetensorsSink`; only where they go differs.
 ``syncless.capture.open(url)`` reads them back. Needs ``pip install "syncless[fsspec]"``,
 plus the filesystem's own package (``s3fs`` for ``s3://``).
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from syncless.capture.sink import (
+from syncless.capture.sinks.shards import (
     CapturedRecord,
     ShardNumbers,
     index_table,

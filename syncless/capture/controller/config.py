@@ -1,9 +1,10 @@
 """The grant controller's tuning knobs, :class:`ControllerConfig`, and their checks.
 
-What each knob does is in the modules that use it: :mod:`syncless.capture.controller_learning`
-(A, B, E, the budget and the short-occurrence cap), :mod:`syncless.capture.controller`
-(probes and their cooldown) and :mod:`syncless.capture.controller_fallback` (the
-fallback to ordinary batching). Re-exported by :mod:`syncless.capture.controller`.
+What each knob does is in the modules that use it:
+:mod:`syncless.capture.controller.learning` (A, B, E, the budget and the short-occurrence
+cap), :mod:`syncless.capture.controller.grants` (probes and their cooldown) and
+:mod:`syncless.capture.controller.fallback` (the fallback to ordinary batching).
+Re-exported by :mod:`syncless.capture.controller`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class ControllerConfig:
     #: transfers (any window).
     bandwidth_history: int = 16
     #: Cap every budget at what the window's short recent occurrences carry by timing
-    #: (syncless.capture.controller_learning); False: the evidence rules alone.
+    #: (syncless.capture.controller.learning); False: the evidence rules alone.
     short_occurrence_cap: bool = True
     #: Longest cooldown (occurrences skipped) after repeated failed probes.
     probe_cooldown_max: int = 64

@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from syncless.capture.sink import CAPTURES_DIR, INDEX_SCHEMA
+from syncless.capture.sinks.shards import CAPTURES_DIR, INDEX_SCHEMA
 from syncless.errors import UsageError
 
 __all__ = ["CaptureStore", "open"]
@@ -153,7 +153,7 @@ def _locate_dir(path: Path) -> Path:
 
 def _locate_url(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
     """The filesystem and folder of a URL's captures: the URL itself or its captures/."""
-    from syncless.capture.sink_fsspec import url_filesystem
+    from syncless.capture.sinks.fsspec import url_filesystem
 
     fs, root = url_filesystem(url, storage_options)
     root = root.rstrip("/")

@@ -7,7 +7,7 @@ window's CLOSE, issued late or not, CLOSE observed late or not) goes back to the
 controller. It prints a JSON summary. Time is exact (rational microseconds), so a
 trace's outcome can be worked out by hand.
 
-The trace format is in :mod:`syncless.capture.simulate_trace` (and docs/capture.md).
+The trace format is in :mod:`syncless.capture.simulate.trace` (and docs/capture.md).
 
 Each occurrence: its records become ready; if the ready bytes then exceed
 ``ring_bytes`` the engine flushes all of them (a capacity flush); after a fallback the
@@ -45,12 +45,10 @@ from fractions import Fraction
 from typing import Any
 
 from syncless.capture.controller import FlushKind, GrantController
-from syncless.capture.simulate_trace import Trace, TraceError, load_trace, parse_trace
+from syncless.capture.simulate.trace import Trace, load_trace
 from syncless.errors import UsageError
 
-# The trace's names are re-exported: ``syncless.capture.simulate`` stays the one module
-# a user of the simulator needs (it was the trace's home before simulate_trace.py).
-__all__ = ["Trace", "TraceError", "load_trace", "main", "parse_trace", "simulate"]
+__all__ = ["main", "simulate"]
 
 
 # -- simulation --------------------------------------------------------------------------

@@ -6,7 +6,7 @@ windows came and went unseen) and asks the controller for a grant per window. Th
 window's copy is either planned ahead and launched at the OPEN by
 ``advance_boundary()`` (:meth:`DrainWindows.launch_plan`, the default on CUDA) or
 issued when the drain sees the OPEN. Once the CLOSE is reached the transfer is
-reported to the controller (:mod:`syncless.capture.window_reports`).
+reported to the controller (:mod:`syncless.capture.drain.window_reports`).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 from syncless.capture.boundary import BoundaryClock
 from syncless.capture.controller import FlushKind, Grant, GrantController, GrantReason
-from syncless.capture.drain_transfers import DrainTransfers
-from syncless.capture.records import Record
-from syncless.capture.staging_copy import StagingCopier, Transfer
+from syncless.capture.drain.staging import StagingCopier, Transfer
+from syncless.capture.drain.transfers import DrainTransfers
+from syncless.capture.drain.window_reports import WindowReporter
+from syncless.capture.ring.records import Record
 from syncless.capture.stats import CaptureStats
-from syncless.capture.window_reports import WindowReporter
 from syncless.capture.windows import WindowPattern
 from syncless.cuda_driver import stream_capturing
 from syncless.hot_path import hot_path

@@ -51,7 +51,7 @@ from dataclasses import dataclass, fields
 from fractions import Fraction
 from typing import Any
 
-from syncless.capture.controller_config import ControllerConfig
+from syncless.capture.controller.config import ControllerConfig
 from syncless.capture.windows import WindowPattern
 from syncless.errors import UsageError
 

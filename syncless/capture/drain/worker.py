@@ -17,12 +17,12 @@ One loop, on a thread of its own (or stepped by the caller, ``background=False``
 
 The worker runs the loop, its thread and its wake-ups. The objects it owns hold the
 rest, each with its own state: the transfers in flight
-(:mod:`syncless.capture.drain_transfers`) and their copies into the pinned staging
-ring (:mod:`syncless.capture.staging_copy`), the windows
-(:mod:`syncless.capture.drain_windows`) and their reports
-(:mod:`syncless.capture.window_reports`), batching without windows
-(:mod:`syncless.capture.drain_batching`) and the requests of other threads
-(:mod:`syncless.capture.drain_requests`).
+(:mod:`syncless.capture.drain.transfers`) and their copies into the pinned staging
+ring (:mod:`syncless.capture.drain.staging`), the windows
+(:mod:`syncless.capture.drain.windows`) and their reports
+(:mod:`syncless.capture.drain.window_reports`), batching without windows
+(:mod:`syncless.capture.drain.batching`) and the requests of other threads
+(:mod:`syncless.capture.drain.requests`).
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ import torch
 
 from syncless.capture.boundary import BoundaryClock
 from syncless.capture.controller import GrantController
-from syncless.capture.drain_batching import DrainBatching
-from syncless.capture.drain_requests import MAX_INFLIGHT, DrainRequests, Request
-from syncless.capture.drain_transfers import DrainTransfers
-from syncless.capture.drain_windows import DrainWindows, Plan
-from syncless.capture.records import Record, RecordQueue
-from syncless.capture.staging_copy import StagingCopier
+from syncless.capture.drain.batching import DrainBatching
+from syncless.capture.drain.requests import MAX_INFLIGHT, DrainRequests, Request
+from syncless.capture.drain.staging import StagingCopier
+from syncless.capture.drain.transfers import DrainTransfers
+from syncless.capture.drain.window_reports import WindowReport, WindowReporter
+from syncless.capture.drain.windows import DrainWindows, Plan
+from syncless.capture.ring.records import Record, RecordQueue
 from syncless.capture.stats import CaptureStats, DropReason
-from syncless.capture.window_reports import WindowReport, WindowReporter
 from syncless.capture.writer import SinkWriter
 from syncless.cuda_driver import driver
 from syncless.hot_path import hot_path
@@ -84,7 +84,7 @@ class DrainWorker:
         self._poll = poll_interval_s
         self._eager = False  # planned windows: every capture wakes the drain to plan
         # Batching (no windows): captures leave their landing event to the drain
-        # (syncless.capture.ring_copy explains why, and why not in windows).
+        # (syncless.capture.ring.copier explains why, and why not in windows).
         self.defer_landing = True
         self._planned = planned
         self.error: BaseException | None = None

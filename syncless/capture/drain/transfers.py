@@ -1,11 +1,11 @@
 """The drain's transfers: the ready records they take, in flight, then finished.
 
 A transfer takes the oldest ready records not in flight yet, whole, and copies them
-into the pinned staging ring (:mod:`syncless.capture.staging_copy`). A record larger
+into the pinned staging ring (:mod:`syncless.capture.drain.staging`). A record larger
 than the staging ring goes alone (an *oversized flush*). Once a transfer's end stamp
 is reached, its records' ring space is released and their staged bytes go to the
 writer; a window transfer then waits for its CLOSE
-(:mod:`syncless.capture.window_reports`).
+(:mod:`syncless.capture.drain.window_reports`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 from syncless.capture.boundary import Timeline
 from syncless.capture.controller import Grant
-from syncless.capture.landing import LandingMarks
-from syncless.capture.records import VOID, WRITTEN, Record, RecordQueue
-from syncless.capture.staging_copy import StagingCopier, Transfer
+from syncless.capture.drain.staging import StagingCopier, Transfer
+from syncless.capture.drain.window_reports import WindowReporter
+from syncless.capture.ring.landing import LandingMarks
+from syncless.capture.ring.records import VOID, WRITTEN, Record, RecordQueue
 from syncless.capture.stats import CaptureStats, DropReason
-from syncless.capture.window_reports import WindowReporter
 from syncless.capture.writer import Batch, SinkWriter
 
 __all__ = ["DrainTransfers"]
@@ -64,7 +64,7 @@ class DrainTransfers:
 
     def mark_landed(self) -> None:
         """Enqueue the copies captures deferred and record the landing events they left
-        to the drain (:mod:`syncless.capture.landing`); before looking at readiness."""
+        to the drain (:mod:`syncless.capture.ring.landing`); before looking at readiness."""
         self._landing.mark(self.inflight_records)
 
     def ready_prefix(

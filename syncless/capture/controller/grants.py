@@ -14,12 +14,12 @@ grants. The engine drives it with five calls::
     ctl.suspend() / ctl.resume()                 # around phases without windows
 
 Here: those calls, what a grant is made of, and which completions and flushes count.
-Elsewhere, one concept per module: ``controller_types`` (the values exchanged with the
-engine: ``Grant``, ``GrantReason``, ``Outcome``, ``FlushKind``, ``WindowEvidence``),
-``controller_config`` (``ControllerConfig``, the knobs), ``controller_learning`` (the
+Elsewhere in :mod:`syncless.capture.controller`, one concept per module: ``types`` (the
+values exchanged with the engine: ``Grant``, ``GrantReason``, ``Outcome``, ``FlushKind``,
+``WindowEvidence``), ``config`` (``ControllerConfig``, the knobs), ``learning`` (the
 evidence per window position, A, B and E, the budget it yields, and learning from clean
-transfers) and ``controller_fallback`` (when capacity flushes end the windows). The
-types and the config are importable from here too.
+transfers) and ``fallback`` (when capacity flushes end the windows). The types and the
+config are importable from here too.
 
 Grant (what the engine copies)
     The largest prefix of the ready records whose total is at most the budget: records
@@ -41,9 +41,9 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterable
 
-from syncless.capture.controller_config import ControllerConfig
-from syncless.capture.controller_fallback import CapacityFlushes
-from syncless.capture.controller_learning import (
+from syncless.capture.controller.config import ControllerConfig
+from syncless.capture.controller.fallback import CapacityFlushes
+from syncless.capture.controller.learning import (
     WindowState,
     forget_expired_unsafe,
     learn_from_transfer,
@@ -51,7 +51,7 @@ from syncless.capture.controller_learning import (
     note_duration,
     window_budget,
 )
-from syncless.capture.controller_types import (
+from syncless.capture.controller.types import (
     FlushKind,
     Grant,
     GrantReason,

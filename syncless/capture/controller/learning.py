@@ -59,8 +59,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from syncless.capture.controller_config import ControllerConfig, is_real
-from syncless.capture.controller_types import Grant, GrantReason, Outcome
+from syncless.capture.controller.config import ControllerConfig, is_real
+from syncless.capture.controller.types import Grant, GrantReason, Outcome
 
 __all__ = [
     "WindowState",

@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from syncless.capture.drain_transfers import DrainTransfers
-from syncless.capture.records import READY, VOID, WRITTEN, RecordQueue
-from syncless.capture.staging_copy import StagingCopier
+from syncless.capture.drain.staging import StagingCopier
+from syncless.capture.drain.transfers import DrainTransfers
+from syncless.capture.ring.records import READY, VOID, WRITTEN, RecordQueue
 
 __all__ = ["DrainBatching"]
 
