@@ -189,14 +189,16 @@ def main() -> None:
     if not args.no_run:
         read_text = read_part(args)
     met = lambda ok: "met" if ok else "MISSED"  # noqa: E731
-    cost = timing["update_cpu_ms"]
+    # The goal is the report's whole scoring: Profiler.report() runs both per report.
+    cost = timing["update_cpu_ms"] + timing["fleet_cpu_ms"]
     result = (
         f"{args.ranks} ranks x {args.sections} sections, load average {load:.1f} on "
-        f"{os.cpu_count()} cores: StragglerDetector.update {cost:.2f} ms CPU per report "
-        f"({timing['update_ms']:.2f} ms wall; median of {args.repeats}; goal <= "
-        f"{SCORE_GOAL_MS:g} ms: {met(cost <= SCORE_GOAL_MS)}), plus fleet() from the "
-        f"gathered summaries {timing['fleet_cpu_ms']:.1f} ms CPU ({timing['fleet_ms']:.1f} "
-        f"ms wall), StepTimes.take {timing['take_us']:.1f} us per step; {read_text}"
+        f"{os.cpu_count()} cores: scoring {cost:.2f} ms CPU per report (goal <= "
+        f"{SCORE_GOAL_MS:g} ms: {met(cost <= SCORE_GOAL_MS)}): StragglerDetector.update "
+        f"{timing['update_cpu_ms']:.2f} ms CPU ({timing['update_ms']:.2f} ms wall; median of "
+        f"{args.repeats}) and fleet() from the gathered summaries "
+        f"{timing['fleet_cpu_ms']:.1f} ms CPU ({timing['fleet_ms']:.1f} ms wall); "
+        f"StepTimes.take {timing['take_us']:.1f} us per step; {read_text}"
     )
     if not args.no_append:
         print(append_result("stragglers", result))
