@@ -60,15 +60,7 @@ from syncless.capture.controller.types import (
 )
 from syncless.capture.windows import PatternVersions, WindowPattern
 
-__all__ = [
-    "ControllerConfig",
-    "FlushKind",
-    "Grant",
-    "GrantController",
-    "GrantReason",
-    "Outcome",
-    "WindowEvidence",
-]
+__all__ = ["GrantController"]  # the rest of the controller: its package's __init__
 
 
 def _nonneg_int(value: object, what: str) -> int:
