@@ -35,7 +35,6 @@ import math
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from syncless import kernels
 from syncless.errors import UsageError
@@ -44,7 +43,7 @@ from syncless.hot_path import hot_path
 from syncless.metrics import Readout, Slot, layer_scope
 from syncless.metrics.slot_group import Column, SlotGroup
 from syncless.monitors.adapters import ModelMap
-from syncless.monitors.adapters.sites import own_elements
+from syncless.monitors.adapters.sites import DTensor, own_elements
 from syncless.monitors.bands import DEFAULT_BANDS, BandRule, LayerBands
 from syncless.monitors.base import AREA, MonitorContext, check_every
 

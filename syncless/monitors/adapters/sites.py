@@ -19,8 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without distributed: no DTensor can exist
+
+    class DTensor:  # type: ignore[no-redef]
+        pass
+
 
 QKCallback = Callable[[Tensor, Tensor], None]
 TensorCallback = Callable[[Tensor], None]
