@@ -10,7 +10,6 @@ view, and the reasons behind each default, are in docs/stragglers.md.
 
 from __future__ import annotations
 
-import operator
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -19,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from syncless.profile.summary import RankSummary, SectionTotals
+from syncless.profile.summary import RankSummary, SectionTotals, StepMedians, layout_of
 
 __all__ = ["CLOCK_SECTION", "Fleet", "StepTimes", "StragglerConfig", "StragglerDetector",
            "Verdict", "fleet"]  # fmt: skip
@@ -111,6 +110,10 @@ class StepTimes:
     def __init__(self) -> None:
         self._last: list[float] = []
         self._steps: deque[list[float]] = deque(maxlen=MAX_STEPS)
+        self._meta_len = -1  # the section layout below is for this many sections
+        self._plain = np.zeros(0, dtype=np.int64)
+        self._names: tuple[str, ...] = ()
+        self._layout = layout_of(())
 
     def take(self, totals: list[float], step_id: int) -> None:
         """Record the times that ``totals`` (ns per section id) gained since the last
@@ -122,23 +125,25 @@ class StepTimes:
             self._steps.append([now - before for now, before in zip(totals, last, strict=True)])
         self._last = list(totals)
 
-    def medians(self, meta: Sequence[SectionTotals]) -> dict[str, float]:
+    def medians(self, meta: Sequence[SectionTotals]) -> StepMedians:
         """Each plain section's median ns over the steps that ran it (a section run
         every fourth step, e.g. an optimizer step under gradient accumulation, keeps its
-        time per run); sections that no step ran are left out."""
+        time per run); NaN for a section that no step ran."""
+        if len(meta) != self._meta_len:  # sections are only ever added
+            self._plain = np.array([i for i, m in enumerate(meta) if m.kind == "section"],
+                                   dtype=np.int64)  # fmt: skip
+            self._names = tuple(meta[i].name for i in self._plain.tolist())
+            self._layout = layout_of(self._names)
+            self._meta_len = len(meta)
         if not self._steps:
-            return {}
+            return StepMedians(self._names, np.full(len(self._names), np.nan), self._layout)
         width = len(meta)
         rows = np.full((len(self._steps), width), np.nan)
         for i, step in enumerate(self._steps):
             rows[i, : len(step)] = step[:width]
+        rows = rows[:, self._plain]
         rows[rows <= 0] = np.nan
-        medians = _column_median(rows).tolist()
-        return {
-            m.name: medians[i]
-            for i, m in enumerate(meta)
-            if m.kind == "section" and medians[i] == medians[i]  # not NaN: it ran
-        }
+        return StepMedians(self._names, _column_median(rows), self._layout)
 
     def reset(self) -> None:
         """A new window: the recorder's totals went back to zero."""
@@ -163,19 +168,34 @@ def fleet(summaries: Sequence[RankSummary]) -> Fleet:
     """The gathered summaries as a :class:`Fleet`. Scored: plain sections whose category
     is not a wait (``collective``, ``sync``); collectives and their parts never are."""
     ordered = sorted(summaries, key=lambda s: s.rank)
-    meta = {}
-    for name in set().union(*(s.sections for s in ordered)):  # one C-level pass
-        meta[name] = next(s.sections[name] for s in ordered if name in s.sections)
-    names = sorted(n for n, m in meta.items() if m.kind == "section" and m.category not in WAITING)
+    layouts: dict[int, list[int]] = {}  # layout -> rows; 1,024 ranks are mostly one
+    others: list[int] = []  # rows without per-step medians
+    for i, s in enumerate(ordered):  # one pass: 1,024 ranks, a few us each
+        if s.step_medians is None:
+            others.append(i)
+        else:
+            layouts.setdefault(s.step_medians.layout, []).append(i)
+    candidates = {n for rows in layouts.values() for n in ordered[rows[0]].step_medians.names}
+    candidates.update(*(ordered[i].sections for i in others))
+    meta = _Meta(ordered)
+    names = sorted(
+        n for n in candidates
+        if (m := meta.get(n)) is not None and m.kind == "section" and m.category not in WAITING
+    )  # fmt: skip
     column = {n: i for i, n in enumerate(names)}
     parents = np.array([_scored_parent(meta, n, column) for n in names], dtype=np.int64)
     nan = float("nan")
-    # 1,024 ranks x 50 sections: itemgetter reads a rank's row in C (3 ms less than a
-    # comprehension); a rank without some section falls back to the comprehension.
-    getter = operator.itemgetter(*names) if len(names) > 1 else None
-    time_ns = np.array(
-        [_per_step(s, names, nan, getter) for s in ordered], dtype=np.float64
-    ).reshape(len(ordered), len(names))
+    time_ns = np.full((len(ordered), len(names)), nan)
+    for rows in layouts.values():
+        # One layout: stack its ranks' arrays and move their columns in one go.
+        layout_names = ordered[rows[0]].step_medians.names
+        src = [j for j, n in enumerate(layout_names) if n in column]
+        dst = [column[layout_names[j]] for j in src]
+        block = np.stack([ordered[i].step_medians.ns for i in rows])
+        time_ns[np.ix_(rows, dst)] = block[:, src]  # NaN where a rank did not run it
+    for i in others:  # a window mean: no per-step times were kept
+        secs, steps = ordered[i].sections, max(ordered[i].steps, 1)
+        time_ns[i] = [secs[n].time_ns / steps if n in secs else nan for n in names]
     clocks = [s.sensors for s in ordered]
     have = any(c for c in clocks)
     return Fleet(
@@ -194,30 +214,28 @@ def fleet(summaries: Sequence[RankSummary]) -> Fleet:
     )
 
 
-def _per_step(
-    summary: RankSummary, names: list[str], nan: float, getter: Callable | None
-) -> Sequence[float]:
-    """``names``' ns per step on one rank: the median over steps where it was kept,
-    else the window's mean; NaN for a section the rank never ran."""
-    secs, medians = summary.sections, summary.step_medians
-    if medians:
-        if getter is not None:
-            try:
-                return getter(medians)
-            except KeyError:
-                pass
-        return [medians.get(n, nan) if n in secs else nan for n in names]
-    steps = max(summary.steps, 1)
-    return [secs[n].time_ns / steps if n in secs else nan for n in names]
+class _Meta:
+    """A section's :class:`SectionTotals` from the first rank that ran it."""
+
+    def __init__(self, ordered: Sequence[RankSummary]) -> None:
+        self._ordered = ordered
+        self._found: dict[str, SectionTotals | None] = {}
+
+    def get(self, name: str) -> SectionTotals | None:
+        if name not in self._found:
+            self._found[name] = next(
+                (s.sections[name] for s in self._ordered if name in s.sections), None
+            )
+        return self._found[name]
 
 
-def _scored_parent(meta: dict, name: str, column: dict[str, int]) -> int:
+def _scored_parent(meta: _Meta, name: str, column: dict[str, int]) -> int:
     """The nearest enclosing scored section's column, or -1."""
-    parent = meta[name].parent
-    while parent is not None and parent in meta:
+    parent = meta.get(name).parent
+    while parent is not None and (found := meta.get(parent)) is not None:
         if parent in column:
             return column[parent]
-        parent = meta[parent].parent
+        parent = found.parent
     return -1
 
 
@@ -440,12 +458,21 @@ def _judge(
 
 
 def _column_median(values: np.ndarray) -> np.ndarray:
-    """Median over ranks per column, ignoring NaN (np.median where there is none: 3x
-    faster than np.nanmedian); NaN for a column with no value."""
-    if values.shape[0] == 0:
+    """Median over ranks per column, ignoring NaN; NaN for a column with no value.
+
+    Without NaN, one partition at the middle and the max of the lower half: 0.21 ms on
+    1,024 x 50, against 0.79 ms for np.median (it partitions at two middles and at
+    the end, looking for NaN) and 3x that for np.nanmedian.
+    """
+    n = values.shape[0]
+    if n == 0:
         return np.full(values.shape[1], np.nan)
-    if not np.isnan(values).any():
-        return np.median(values, axis=0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN column: NaN
-        return np.nanmedian(values, axis=0)
+    if np.isnan(values).any():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN column: NaN
+            return np.nanmedian(values, axis=0)
+    half = n // 2
+    part = np.partition(values, half, axis=0)
+    if n % 2:
+        return part[half]
+    return (part[:half].max(axis=0) + part[half]) / 2

@@ -215,9 +215,9 @@ def test_step_times_median_ignores_a_stall_in_fewer_than_half_the_steps():
         totals = [totals[0] + step_ns, totals[1] + forward_ns, totals[2] + 1.0]
         times.take(totals, 0)
         times.take(totals, 0)  # nothing read in between: no step
-    assert times.medians(meta) == {"forward": 4.0}  # the mean would be 24.0
+    assert times.medians(meta).as_dict() == {"forward": 4.0}  # the mean would be 24.0
     times.reset()
-    assert times.medians(meta) == {}
+    assert times.medians(meta).as_dict() == {}
 
 
 def test_step_times_median_is_over_the_steps_that_ran_the_section():
@@ -230,4 +230,32 @@ def test_step_times_median_is_over_the_steps_that_ran_the_section():
     for step in range(8):  # the optimizer runs every fourth step, 7 ns each time
         totals = [totals[0] + 10.0, totals[1] + (7.0 if step % 4 == 3 else 0.0), 0.0]
         times.take(totals, 0)
-    assert times.medians(meta) == {"optimizer": 7.0}
+    assert times.medians(meta).as_dict() == {"optimizer": 7.0}
+
+
+def test_fleet_reads_ranks_of_different_layouts_and_ranks_without_medians():
+    """Ranks 0-1 share a layout, rank 2 declared an extra section and skipped one, rank 3
+    kept no per-step medians: each cell is what that rank said, by name."""
+    from syncless.profile.summary import StepMedians
+
+    medians = {
+        0: {"forward": 10.0, "backward": 20.0, "experts": 6.0},
+        1: {"forward": 11.0, "backward": 21.0, "experts": float("nan")},  # not run
+        2: {"extra": 3.0, "forward": 12.0, "backward": 22.0},
+    }
+    summaries = []
+    for rank in range(4):
+        ms = {"forward": 13.0, "backward": 23.0, "experts": 7.0} if rank == 3 else medians[rank]
+        s = _summary(rank, {k: v for k, v in ms.items() if v == v})
+        if rank < 3:
+            names = tuple(ms)
+            s.step_medians = StepMedians.of(names, np.array([ms[n] * 1e6 for n in names]))
+        summaries.append(s)
+    report = fleet(list(reversed(summaries)))  # gathered in any order
+    assert report.ranks.tolist() == [0, 1, 2, 3]
+    assert report.sections == ["backward", "experts", "extra", "forward"]
+    nan = float("nan")
+    expected = [[20.0, 6.0, nan, 10.0], [21.0, nan, nan, 11.0], [22.0, nan, 3.0, 12.0],
+                [23.0, 7.0, nan, 13.0]]  # fmt: skip
+    np.testing.assert_array_equal(report.time_ms, np.array(expected))
+    assert report.parents.tolist() == [-1, 3, -1, -1]  # experts sits inside forward
