@@ -30,6 +30,7 @@ from syncless.profile import report as _report
 from syncless.profile import stragglers as _stragglers
 from syncless.profile import summary as _summary
 from syncless.profile.calibrate import Calibration, calibrate
+from syncless.profile.gpu_sensors import GpuSensors, location
 from syncless.profile.graph_sections import UNTIMED_RECORD, GraphSections
 from syncless.profile.module_hooks import ModuleHandle
 from syncless.profile.spans import ProfileMisuse, Span, SpanRecorder
@@ -132,6 +133,7 @@ class Profiler:
         # NVML sensors, sampled on a thread (syncless.profile.gpu_sensors): started at
         # setup on CUDA when stragglers are scored.
         self._sensors: Any = None
+        self._where = ("", "")  # (host, device) of this rank, found at setup
         # Per-step section times of the window: stragglers score their medians.
         self._step_times = StepTimes() if self._stragglers is not None else None
 
@@ -169,9 +171,8 @@ class Profiler:
         if self._want_calibration:
             self._want_calibration = False
             self.calibrate()
+        self._where = location(self.cuda)
         if self.cuda and self._stragglers is not None and self._sensors is None:
-            from syncless.profile.gpu_sensors import GpuSensors
-
             self._sensors = GpuSensors.start(torch.cuda.current_device())
 
     def calibrate(self) -> Calibration:
@@ -282,6 +283,7 @@ class Profiler:
             mine.step_medians = self._step_times.medians(recorder._meta)
         if self._sensors is not None:
             mine.sensors = self._sensors.summary()
+        mine.host, mine.device = self._where
         return mine
 
     def report(

@@ -86,12 +86,17 @@ class Verdict:
     first_step: int
     last_step: int
     clock_mhz: float | None = None
+    host: str = ""  # the rank's host name ("" unknown)
+    device: str = ""  # its GPU, e.g. "cuda:3 0000:3b:00.0" ("" on the CPU)
 
     def describe(self) -> str:
-        """One line, e.g. ``rank 2 slow in backward: score 0.31 since step 40 (to 59)``."""
+        """One line, e.g. ``rank 2 (node-07 cuda:2 0000:3b:00.0) slow in backward: score
+        0.31 since step 40 (to 59)``."""
+        where = " ".join(p for p in (self.host, self.device) if p)
+        where = f" ({where})" if where else ""
         clock = f", SM clock {self.clock_mhz:.0f} MHz" if self.clock_mhz is not None else ""
         return (
-            f"rank {self.rank} slow in {self.section}: score {self.score:.2f}{clock} "
+            f"rank {self.rank}{where} slow in {self.section}: score {self.score:.2f}{clock} "
             f"since step {self.first_step} (to {self.last_step})"
         )
 
@@ -162,6 +167,8 @@ class Fleet(NamedTuple):
     step_ms: np.ndarray  # (R,) total step ms over the report
     clock_min_mhz: np.ndarray | None = None  # (R,) NaN where a rank has no sensors
     clock_median_mhz: np.ndarray | None = None
+    hosts: list[str] | None = None  # (R,) host name of each rank ("" unknown)
+    devices: list[str] | None = None  # (R,) its GPU, e.g. "cuda:3 0000:3b:00.0"
 
 
 def fleet(summaries: Sequence[RankSummary]) -> Fleet:
@@ -211,6 +218,8 @@ def fleet(summaries: Sequence[RankSummary]) -> Fleet:
         clock_median_mhz=np.array([(c or {}).get("sm_clock_mhz", nan) for c in clocks])
         if have
         else None,
+        hosts=[s.host for s in ordered],
+        devices=[s.device for s in ordered],
     )
 
 
@@ -308,6 +317,8 @@ class StragglerDetector:
         self._clock = _Episodes((0, 1))
         #: The latest window scores: (R, S) over ``sections``, NaN where not scored.
         self.scores = np.zeros((0, 0))
+        self._hosts: list[str] = []
+        self._devices: list[str] = []
         #: The latest clock scores (R,): minimum over the fleet's median, NaN without.
         self.clock_scores: np.ndarray | None = None
 
@@ -343,6 +354,8 @@ class StragglerDetector:
         cfg = self.config
         if not np.array_equal(report.ranks, self.ranks):
             self._reset(report.ranks)  # a new world: a new window
+        self._hosts = report.hosts or [""] * len(self.ranks)
+        self._devices = report.devices or [""] * len(self.ranks)
         columns = self._columns(report.sections)
         slot = self._reports % cfg.window
         self._reports += 1
@@ -411,6 +424,8 @@ class StragglerDetector:
                 float(self.scores[r, c]),
                 int(first[r, c]),
                 int(last[r, c]),
+                host=self._hosts[r],
+                device=self._devices[r],
             )
             for r, c in zip(rows.tolist(), cols.tolist(), strict=True)
         ]
@@ -434,7 +449,8 @@ class StragglerDetector:
         first, last = self._clock.first[:, 0], self._clock.last[:, 0]
         verdicts = [
             Verdict(int(self.ranks[r]), CLOCK_SECTION, float(score[r]), int(first[r]),
-                    int(last[r]), clock_mhz=float(report.clock_min_mhz[r]))
+                    int(last[r]), clock_mhz=float(report.clock_min_mhz[r]),
+                    host=self._hosts[r], device=self._devices[r])
             for r in np.nonzero(first >= 0)[0].tolist()
         ]  # fmt: skip
         return verdicts, opened

@@ -69,6 +69,11 @@ class RankSummary:
     # Each plain section's median time per step over the window, where the profiler
     # kept per-step times (syncless.profile.stragglers.StepTimes).
     step_medians: StepMedians | None = None
+    # Where the rank runs: the host name and its GPU (``cuda:3 0000:3b:00.0``, the PCI
+    # bus id, which NVML and nvidia-smi name too; "" on the CPU). An on-call engineer
+    # acts on a node and a GPU, not on a rank number.
+    host: str = ""
+    device: str = ""
 
 
 @dataclass

@@ -259,3 +259,16 @@ def test_fleet_reads_ranks_of_different_layouts_and_ranks_without_medians():
                 [23.0, 7.0, nan, 13.0]]  # fmt: skip
     np.testing.assert_array_equal(report.time_ms, np.array(expected))
     assert report.parents.tolist() == [-1, 3, -1, -1]  # experts sits inside forward
+
+
+def test_a_verdict_names_the_host_and_gpu_of_its_rank():
+    def placed(report):
+        for s in report:  # two ranks a node, as the gather delivers them
+            s.host, s.device = f"node-{s.rank // 2}", f"cuda:{s.rank % 2} 0000:{s.rank:02x}:00.0"
+        return report
+
+    reports = [placed(_report(8)) for _ in range(2)]
+    reports.append(placed(_report(8, {5: {"data": 9 * BASE_MS["data"]}})))
+    (verdict,) = _run(StragglerDetector(), reports)[-1]
+    assert (verdict.rank, verdict.host, verdict.device) == (5, "node-2", "cuda:1 0000:05:00.0")
+    assert "rank 5 (node-2 cuda:1 0000:05:00.0) slow in data" in verdict.describe()

@@ -9,6 +9,8 @@ for NCCL's device-side wait (gloo syncs the host only). The section is a collect
 the wait is never scored.
 """
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -63,6 +65,7 @@ def _train(rank: int, world: int) -> dict:
             reports.append((step, [(v.rank, v.section, v.first_step) for v in rep.stragglers]))
             sensors.append({k: v for k, v in rep.values.items() if "gpu_sensors" in k})
     return {"reports": reports, "opened": [(v.rank, v.section) for v in opened],
+            "where": [v.device for v in opened],
             "sensors": sensors, "timer": type(prof._timer).__name__}  # fmt: skip
 
 
@@ -84,6 +87,8 @@ def test_the_slow_rank_is_named_in_backward_within_one_report_and_nobody_else(re
         starts = {f for _, verdicts in result["reports"] for _, _, f in verdicts}
         assert starts == {FROM_STEP}
         assert result["opened"] == [(SLOW_RANK, "backward")]
+        (device,) = result["where"]  # its GPU: index and PCI bus id, as nvidia-smi shows
+        assert re.fullmatch(r"cuda:0( [0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.0)?", device)
 
 
 def test_gpu_sensors_are_sampled_with_the_reports(results):

@@ -3,6 +3,7 @@ section and the step it began; a healthy run names nobody; ranks that wait for a
 rank in a collective are not named (ground truth: the injected rank, section and step)."""
 
 import os
+import socket
 import time
 
 import pytest
@@ -93,6 +94,8 @@ def test_a_rank_slowed_in_one_section_from_a_step_is_named_within_one_report_int
         (final,) = by_step[39]
         assert (final.first_step, final.last_step) == (start, 39)
         assert [(v.rank, v.section) for v in result["opened"]] == [(2, "backward")]
+        # The gather carries where each rank runs: all on this host, on the CPU.
+        assert [(v.host, v.device) for v in result["opened"]] == [(socket.gethostname(), "")]
         records = result["reports"][-1][2]
         if rank == 2:
             assert records["profile/backward/straggler_verdict_first_step"] == start
