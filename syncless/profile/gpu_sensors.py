@@ -19,6 +19,8 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
+from syncless.run.dist import gpu_label
+
 __all__ = ["GpuSensors", "Sample", "SensorSummary", "location"]
 
 log = logging.getLogger(__name__)
@@ -169,20 +171,14 @@ def _handle(nvml: Any, device: int) -> Any:
 
 
 def location(cuda: bool) -> tuple[str, str]:
-    """(host name, GPU) of this process: the GPU as ``cuda:<index> <PCI bus id>``, the
-    id nvidia-smi and NVML print (``cuda:3 0000:3b:00.0``); "" on the CPU."""
+    """(host name, GPU) of this process: the GPU as ``cuda:<index> <PCI bus id>``
+    (syncless.run.dist.gpu_label); "" on the CPU."""
     host = socket.gethostname()
     if not cuda:
         return host, ""
     try:
         import torch
 
-        index = torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(index)
-        bus = getattr(props, "pci_bus_id", None)
-        if bus is None:
-            return host, f"cuda:{index}"
-        domain, slot = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", 0)
-        return host, f"cuda:{index} {domain:04x}:{bus:02x}:{slot:02x}.0"
+        return host, gpu_label(torch.cuda.current_device())
     except Exception:  # a location is a label: never fail the profiler over it
         return host, ""

@@ -15,6 +15,7 @@ import json
 import os
 from typing import NamedTuple, TextIO
 
+from syncless.run.placement import Placement, read_placement
 from syncless.run.query_cli import to_stdout, warnings_on_stderr
 from syncless.run.store import RunStore
 
@@ -55,19 +56,26 @@ class StoredVerdict(NamedTuple):
     first_step: int
     last_step: int  # the last step of its latest slow report
     clock_mhz: float | None = None  # gpu_clock: the rank's minimum SM clock then
+    place: Placement | None = None  # where the rank ran (syncless.run.placement)
 
     def to_json(self) -> dict:
         out = {"rank": self.rank, "section": self.section, "score": self.score,
                "first_step": self.first_step, "last_step": self.last_step}  # fmt: skip
         if self.clock_mhz is not None:
             out["clock_mhz"] = self.clock_mhz
+        if self.place is not None:
+            out |= {"host": self.place.host, "local_rank": self.place.local_rank,
+                    "gpu": self.place.gpu}  # fmt: skip
         return out
 
 
 def read(path: str | os.PathLike) -> list[StoredVerdict]:
-    """Every verdict episode of the run at ``path``, lowest score first."""
+    """Every verdict episode of the run at ``path``, lowest score first, with where
+    each named rank ran (read for those ranks only: a file each)."""
     with RunStore(path) as store:
-        return read_store(store)
+        verdicts = read_store(store)
+    places = {rank: read_placement(path, rank) for rank in {v.rank for v in verdicts}}
+    return [v._replace(place=places[v.rank]) for v in verdicts]
 
 
 def read_store(store: RunStore) -> list[StoredVerdict]:
@@ -87,11 +95,13 @@ def print_verdicts(verdicts: list[StoredVerdict], out: TextIO, run_dir: str = ""
         return
     out.write(f"{len(verdicts)} straggler verdict(s){where}, slowest first ")
     out.write("(score = fleet median / own time: 0.5 is twice as slow)\n")
-    out.write(f"{'rank':>6}  {'section':<24} {'score':>6}  {'first step':>10}  {'last step':>10}\n")
+    out.write(f"{'rank':>6}  {'section':<24} {'score':>6}  {'first step':>10}  "
+              f"{'last step':>10}  where\n")  # fmt: skip
     for v in verdicts:
+        where = v.place.describe() if v.place is not None else "-"
         note = f"  SM clock {v.clock_mhz:.0f} MHz" if v.clock_mhz is not None else ""
         out.write(f"{v.rank:>6}  {v.section:<24} {v.score:>6.2f}  {v.first_step:>10}  "
-                  f"{v.last_step:>10}{note}\n")  # fmt: skip
+                  f"{v.last_step:>10}  {where}{note}\n")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

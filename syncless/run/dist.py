@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -27,3 +28,14 @@ def rank_info() -> RankInfo:
     return RankInfo(
         int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), local_rank
     )
+
+
+def gpu_label(index: int) -> str:
+    """CUDA device ``index`` as ``cuda:<index> <PCI bus id>``, the id nvidia-smi and
+    NVML print (``cuda:3 0000:3b:00.0``); ``cuda:<index>`` where torch lacks it."""
+    props = torch.cuda.get_device_properties(index)
+    bus = getattr(props, "pci_bus_id", None)
+    if bus is None:
+        return f"cuda:{index}"
+    domain, slot = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", 0)
+    return f"cuda:{index} {domain:04x}:{bus:02x}:{slot:02x}.0"

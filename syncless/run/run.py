@@ -13,6 +13,7 @@ import torch.distributed as dist
 from syncless.errors import UsageError
 from syncless.run.dist import RankInfo, rank_info
 from syncless.run.parquet import ParquetSink
+from syncless.run.placement import here, write_placement
 from syncless.run.records import StepRecord, StepRecords, check_metric_name
 from syncless.run.rundir import (
     DEFAULT_ROOT,
@@ -96,6 +97,16 @@ class Run:
         self.sink_errors: dict[str, int] = {}
         self._first_step_unknown = self.ranks.is_main  # run.json's segment waits for it
         self._closed = False
+        self._write_placement()
+
+    def _write_placement(self) -> None:
+        # Where this rank runs, for the verdicts that name it (syncless.run.placement).
+        try:
+            write_placement(self.dir, here(self.ranks))
+        except Exception as e:
+            if self.strict:
+                raise
+            print(f"syncless: could not record this rank's host in the run ({e})", file=sys.stderr)
 
     def _open_dir(
         self,

@@ -61,7 +61,17 @@ def run_dir(tmp_path_factory):
         sink = ParquetSink(path / METRICS_DIR, rank, flush_interval_s=3600)
         sink.write(recs)
         sink.close()
+    (path / "ranks").mkdir()
+    for rank in range(WORLD):  # each rank's Run writes one; rank 1's is missing here
+        if rank != 1:
+            (path / "ranks" / f"rank{rank:05d}.json").write_text(json.dumps(_place(rank)))
     return path
+
+
+def _place(rank):
+    """Two ranks a node, as a Run records where it runs (docs/stragglers.md)."""
+    return {"rank": rank, "host": f"node-{rank // 2}", "local_rank": rank % 2, "pid": 100 + rank,
+            "gpu": f"cuda:{rank % 2} 0000:{rank:02x}:00.0"}  # fmt: skip
 
 
 def _cli(*argv):
@@ -88,6 +98,11 @@ def test_json_names_each_episode_with_its_steps(run_dir):
     assert clock["clock_mhz"] == 1300.0
     assert [v["score"] for v in got] == sorted(v["score"] for v in got)
     assert all(set(v) >= {"rank", "section", "score", "first_step", "last_step"} for v in got)
+    for rank in (3, 5):  # where the named ranks ran, as their runs recorded it
+        place = {k: v for k, v in by_key[rank, "data" if rank == 5 else "backward"].items()
+                 if k in ("host", "local_rank", "gpu")}  # fmt: skip
+        assert place == {k: _place(rank)[k] for k in ("host", "local_rank", "gpu")}
+    assert "host" not in clock  # rank 1 recorded no place
 
 
 def test_text_has_a_line_per_verdict(run_dir):
@@ -96,6 +111,7 @@ def test_text_has_a_line_per_verdict(run_dir):
     lines = [line.split() for line in text.splitlines()[2:]]
     assert [line[:2] for line in lines] == [["5", "data"], ["3", "backward"], ["1", "gpu_clock"]]
     assert "SM clock 1300 MHz" in text
+    assert "node-2 local rank 1 cuda:1 0000:05:00.0" in text  # rank 5
 
 
 def test_a_run_without_verdicts_says_so(tmp_path):

@@ -4,7 +4,7 @@ need (issues #21, #48).
 Importing torch was 1.5 s of a 1.9 s ``--help``; later the demo's arguments, pyarrow and
 rich were 0.4 s of a 0.48 s ``--help`` and of every query. Each command runs in a fresh
 interpreter, which then reports which heavy modules were imported; the time itself is a
-bench (``bench/cli_startup.py``), not a timed test.
+bench (``bench/store/cli_startup.py``), not a timed test.
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ def test_the_run_package_still_exports_its_names():
 NEEDS = {
     "--help": set(),
     "query": {"duckdb"},  # rows print as a text table of its own, not through rich
+    # Its reader lives in syncless.report, without the page (plotly) or numpy.
+    "stragglers": {"duckdb", "syncless.report"},
     "compare --help": set(),
     "report --help": set(),
     "demo --help": {"syncless.demo"},  # its arguments; torch only to train
@@ -111,6 +113,8 @@ def test_a_command_imports_only_what_it_needs(run_dir, command):
     argv = command.split()
     if argv[0] == "query":
         argv += [str(run_dir), "SELECT count(*) AS n FROM metrics", "--format", "csv"]
+    elif argv[0] == "stragglers":
+        argv += [str(run_dir)]
     result = _probe(*argv)
     assert result["rc"] == 0
     assert set(result["loaded"]) == NEEDS[command], result["loaded"]

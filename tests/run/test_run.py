@@ -73,3 +73,34 @@ def test_only_rank_zero_writes_run_json(tmp_path):
     Run(run_dir=tmp_path / "r", ranks=RankInfo(rank=1, world_size=2, local_rank=1)).close()
     assert not (tmp_path / "r" / "run.json").exists()
     assert (tmp_path / "r" / "metrics").is_dir()
+
+
+def test_each_rank_records_where_it_runs(tmp_path):
+    import os
+    import socket
+
+    Run(run_dir=tmp_path / "r", ranks=RankInfo(rank=0, world_size=2, local_rank=0)).close()
+    Run(run_dir=tmp_path / "r", ranks=RankInfo(rank=1, world_size=2, local_rank=1)).close()
+    for rank in (0, 1):
+        place = json.loads((tmp_path / "r" / "ranks" / f"rank{rank:05d}.json").read_text())
+        expected = {
+            "rank": rank,
+            "host": socket.gethostname(),
+            "local_rank": rank,
+            "pid": os.getpid(),
+            "gpu": "",
+        }  # fmt: skip (no CUDA here)
+        assert place == expected
+
+
+def test_a_place_that_cannot_be_written_is_reported_not_raised(tmp_path, capsys, monkeypatch):
+    import syncless.run.run as run_module
+
+    def refuse(*args):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(run_module, "write_placement", refuse)
+    Run(run_dir=tmp_path / "r").close()
+    assert "could not record this rank's host" in capsys.readouterr().err
+    with pytest.raises(OSError, match="read-only"):
+        Run(run_dir=tmp_path / "s", strict=True)
