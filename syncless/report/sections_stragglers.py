@@ -8,7 +8,7 @@ import html
 import numpy as np
 
 from syncless.report.page_parts import Section, f4, figure, table
-from syncless.report.stragglers import read_store
+from syncless.report.stragglers import placed, read_store
 from syncless.run.store import RunStore
 
 __all__ = ["MAX_COLUMNS", "sections"]
@@ -25,6 +25,8 @@ def sections(store: RunStore) -> list[Section]:
         return []
     ranks, steps, low, worst = grid
     verdicts = read_store(store)
+    if store.path is not None:  # one run: where its named ranks ran
+        verdicts = placed(verdicts, store.path)
     body = (
         '<p class="note">Each cell: the rank\'s lowest section score in that report '
         "(fleet median time over its own, over the profiler's sliding window; 1 is the "
@@ -42,9 +44,10 @@ def sections(store: RunStore) -> list[Section]:
     body += _heatmap(ranks, steps, low, worst)
     if verdicts:
         rows = [(v.rank, v.section, v.score, v.first_step, v.last_step,
-                 "-" if v.clock_mhz is None else f"{v.clock_mhz:.0f}") for v in verdicts]  # fmt: skip
+                 "-" if v.clock_mhz is None else f"{v.clock_mhz:.0f}",
+                 "-" if v.place is None else v.place.describe()) for v in verdicts]  # fmt: skip
         body += "<h3>Verdicts</h3>" + table(
-            ["rank", "section", "score", "first step", "last step", "SM clock MHz"], rows
+            ["rank", "section", "score", "first step", "last step", "SM clock MHz", "where"], rows
         )
     return [Section("stragglers", "Stragglers", body)]
 

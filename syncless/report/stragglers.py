@@ -19,7 +19,7 @@ from syncless.run.placement import Placement, read_placement
 from syncless.run.query_cli import to_stdout, warnings_on_stderr
 from syncless.run.store import RunStore
 
-__all__ = ["StoredVerdict", "print_verdicts", "read", "run"]
+__all__ = ["StoredVerdict", "placed", "print_verdicts", "read", "read_store", "run"]
 
 _PATTERN = r"^profile/(.+)/straggler_verdict_(first_step|last_step|score|clock_mhz)$"
 # Per (rank, step, section): an open verdict's first and last step, score and clock;
@@ -73,7 +73,11 @@ def read(path: str | os.PathLike) -> list[StoredVerdict]:
     """Every verdict episode of the run at ``path``, lowest score first, with where
     each named rank ran (read for those ranks only: a file each)."""
     with RunStore(path) as store:
-        verdicts = read_store(store)
+        return placed(read_store(store), path)
+
+
+def placed(verdicts: list[StoredVerdict], path: str | os.PathLike) -> list[StoredVerdict]:
+    """``verdicts`` with where each named rank ran (a file read per named rank)."""
     places = {rank: read_placement(path, rank) for rank in {v.rank for v in verdicts}}
     return [v._replace(place=places[v.rank]) for v in verdicts]
 

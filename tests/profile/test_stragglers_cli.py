@@ -132,5 +132,6 @@ def test_the_report_has_a_heat_map_and_the_verdicts(run_dir):
     page = html.build(run_dir)
     assert 'id="stragglers"' in page and "fig-stragglers" in page
     assert "slowest: rank 5 in data" in page
+    assert "node-1 local rank 1 cuda:1 0000:03:00.0" in page  # where rank 3 ran
     for section in ("backward", "data", "gpu_clock"):
         assert f"<td>{section}</td>" in page
