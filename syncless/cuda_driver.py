@@ -111,8 +111,8 @@ class Driver:
         order among themselves); None where the driver lacks it (before CUDA 12.8).
         One call for the drain's held copies of a look instead of one call each, which
         releases the GIL: it costs the host about as much as the copies one by one
-        (264 us for 64 copies of 4 KiB against 4.94 us for one; bench/driver_calls.py,
-        add772f), and the training thread runs meanwhile. The driver refuses the legacy
+        (264 us for 64 copies of 4 KiB against 4.94 us for one; bench/RESULTS.md,
+        driver_calls at add772f), and the training thread runs meanwhile. The driver refuses the legacy
         default stream (``0``; CUDA_ERROR_INVALID_VALUE on
         the H200's 13.0 driver): see :meth:`create_blocking_stream`."""
         lib = self._lib_releasing_gil

@@ -175,7 +175,7 @@ def _fsdp2_loop(ctx: Ctx) -> None:  # gloo on CPU; the default backend compiles 
     assert found["monitors/self/attention_recompute_skipped_count"] > 0  # recomputes skipped
 
 
-@runs("python bench/pacing_ep.py --nproc 2")
+@runs("python -m bench.demo pacing_ep --nproc 2")
 def _pacing_bench(ctx: Ctx) -> None:  # gloo on CPU at tiny size; --no-record keeps RESULTS.md
     results = (dc.ROOT / "bench" / "RESULTS.md").read_bytes()
     tiny = ["--preset", "tiny", "--rounds", "1", "--warmup", "1", "--block", "2", "--no-record"]
@@ -189,16 +189,16 @@ def _pacing_bench(ctx: Ctx) -> None:  # gloo on CPU at tiny size; --no-record ke
     assert (dc.ROOT / "bench" / "RESULTS.md").read_bytes() == results
 
 
-@runs("python bench/demo_mfu.py --sweep")
+@runs("python -m bench.demo mfu --sweep")
 def _demo_mfu_sweep(ctx: Ctx) -> None:  # every shape shrunk to seconds on a CPU (--smoke)
     results = (dc.ROOT / "bench" / "RESULTS.md").read_bytes()
     out = ctx.run([*ctx.argv(), "--smoke", "--no-record"]).stdout
     (line,) = [x for x in out.splitlines() if x.startswith("--sweep around demo")]
-    assert line.count("tokens/s") == 7, line  # every shape of bench/demo_mfu.py's SHAPES ran
+    assert line.count("tokens/s") == 7, line  # every shape of bench/demo/mfu.py's SHAPES ran
     assert (dc.ROOT / "bench" / "RESULTS.md").read_bytes() == results
 
 
-@runs("python bench/demo_mfu.py --ranks")
+@runs("python -m bench.demo mfu --ranks")
 def _demo_mfu_ranks(ctx: Ctx) -> None:  # tiny on CPU ranks over gloo (--smoke)
     results = (dc.ROOT / "bench" / "RESULTS.md").read_bytes()
     out = ctx.run([*ctx.argv(), "--smoke", "--no-record"]).stdout

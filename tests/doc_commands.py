@@ -108,6 +108,10 @@ class Ctx:
         """Run ``argv`` in ``cwd``; assert its exit status."""
         kw.setdefault("stdout", subprocess.PIPE)
         env = {**os.environ, "PET_MASTER_PORT": str(free_port())}  # torchrun's, not 29500
+        if any(a.startswith("bench.") for a in argv[:3]):  # python -m bench.<suite> CASE
+            # runs from the repository root (bench/README.md); here from cwd, so the root
+            # goes on PYTHONPATH instead.
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         p = subprocess.run(argv, cwd=self.cwd, stderr=subprocess.PIPE, text=True,
                            timeout=TIMEOUT, env=env, **kw)  # fmt: skip
         assert p.returncode == status, (

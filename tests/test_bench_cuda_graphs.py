@@ -1,4 +1,4 @@
-"""bench/cuda_graphs.py's CPU smoke run (``--smoke``): the GPU bench's whole flow, eager
+"""bench/stacks/cuda_graphs.py's CPU smoke run (``--smoke``): the GPU bench's whole flow, eager
 and graphed steps, the stack and the alarm each captured in a graph of its own, with
 syncless.graphs.StandInGraph in place of CUDA graphs, tiny shapes, nothing appended."""
 
@@ -30,7 +30,7 @@ def test_cuda_graphs_smoke_measures_every_phase_inside_stand_in_graphs(tmp_path)
     pytest.importorskip("transformers")
     results = (ROOT / "bench" / "RESULTS.md").read_bytes()
     report = tmp_path / "cuda_graphs.json"
-    argv = [sys.executable, str(ROOT / "bench" / "cuda_graphs.py"), "--smoke"]
+    argv = [sys.executable, "-m", "bench.stacks", "cuda_graphs", "--smoke"]
     argv += ["--cases", ",".join(CASES), "--json", str(report)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

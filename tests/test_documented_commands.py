@@ -73,7 +73,7 @@ def params(table: dict) -> list:
     out = []
     for c in sorted(table):
         marks = [pytest.mark.dist] if re.search(r"--nproc|^torchrun", c) else []
-        marks += [pytest.mark.slow] if re.search(r"examples/|bench/", c) else []
+        marks += [pytest.mark.slow] if re.search(r"examples/|bench[/.]", c) else []
         out.append(pytest.param(c, marks=marks, id=c if len(c) <= 100 else c[:97] + "..."))
     return out
 

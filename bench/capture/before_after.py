@@ -3,14 +3,15 @@
 Each benchmark runs as its own process, once per tree, in the order before, after,
 after, before (so a drift of the machine over the call hits both alike), with
 ``PYTHONPATH`` set to the tree: the ``syncless`` package is the tree's, the benchmark
-scripts are this folder's for both. The three benchmarks:
+cases are this suite's for both (``python -m bench.capture CASE``, run from a folder that
+holds only a link to this ``bench/``). The three benchmarks:
 
 - ``capture_drain``: unconstrained drain rate against the pinned D2H bandwidth, and the
   host time of one 4 KiB ``capture()``;
 - ``capture_host``: ``capture()``'s host time per call, 4 KiB, with and without the
   engine's threads, deferred and copy-skipped;
 - ``capture_load``: every layer's hidden state of a GPU-bound llama-1b
-  (bench/hf_models.py) captured every step, ``null`` (every layer) and ``mixed``
+  (bench/stacks/hf_models.py) captured every step, ``null`` (every layer) and ``mixed``
   (plus 16 small rows per layer), against ``off``: step overhead and host us per call.
 
 Every run's output goes to ``$OUT/<benchmark>-<n>-<tree>.log``; ``$OUT/before_after.md``
@@ -20,23 +21,27 @@ H100 or H200; ``--tiny`` runs everything small on the CPU (a smoke test: the num
 mean nothing).
 
     mkdir -p .before && git archive <commit before> syncless | tar -x -C .before
-    BEFORE=.before AFTER=. OUT=/tmp/ba python bench/capture_before_after.py
-    BEFORE=.before AFTER=. OUT=/tmp/ba python bench/capture_before_after.py --tiny
+    BEFORE=.before AFTER=. OUT=/tmp/ba python -m bench.capture before_after
+    BEFORE=.before AFTER=. OUT=/tmp/ba python -m bench.capture before_after --tiny
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
+import functools
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
+BENCH = Path(__file__).resolve().parents[1]  # bench/
 ORDER = ("before", "after", "after", "before")
 
 # Arguments per benchmark: on the GPU (kept short, so the whole call fits in minutes),
@@ -69,13 +74,25 @@ def tree_env(tree: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(tree) + (os.pathsep + rest if rest else "")}
 
 
+@functools.cache
+def launch_dir() -> Path:
+    """Where the runs start: a folder that holds only a link to this ``bench/``. ``-m``
+    and ``-c`` put the working directory first on sys.path, so ``bench`` is this one
+    and ``syncless`` the tree's on PYTHONPATH (a repository root would give its own)."""
+    folder = Path(tempfile.mkdtemp(prefix="bench-before-after-"))
+    (folder / "bench").symlink_to(BENCH, target_is_directory=True)
+    atexit.register(shutil.rmtree, folder, True)  # the link, not what it points to
+    return folder
+
+
 def which_syncless(tree: Path, python: str) -> str:
     """Where ``import syncless`` finds the package with ``PYTHONPATH=tree``."""
     env = tree_env(tree)
     code = "import syncless, os; print(os.path.dirname(os.path.abspath(syncless.__file__)))"
-    # From this folder, as the benchmarks run: ``-c`` puts the working directory first
-    # on sys.path, and a repository root holds a syncless/ of its own.
-    out = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, cwd=BENCH)
+    # From where the benchmarks run (launch_dir).
+    out = subprocess.run(
+        [python, "-c", code], env=env, capture_output=True, text=True, cwd=launch_dir()
+    )
     if out.returncode:
         raise SystemExit(f"cannot import syncless from {tree}: {out.stderr.strip()}")
     return out.stdout.strip()
@@ -83,11 +100,11 @@ def which_syncless(tree: Path, python: str) -> str:
 
 def run_one(name: str, tree: Path, args: list[str], log: Path, python: str) -> str:
     env = tree_env(tree)
-    cmd = [python, str(BENCH / f"{name}.py"), *args]
+    cmd = [python, "-m", "bench.capture", name.removeprefix("capture_"), *args]
     start = time.perf_counter()
     try:
         done = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S[name], cwd=BENCH
+            cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S[name], cwd=launch_dir()
         )
         text = done.stdout + done.stderr + f"\n[exit {done.returncode}]"
     except subprocess.TimeoutExpired as e:
@@ -147,11 +164,13 @@ def device_line(python: str, tree: Path) -> str:
         "f'CPU ({os.cpu_count()} cores)', '|', 'torch', torch.__version__)"
     )
     env = tree_env(tree)
-    out = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, cwd=BENCH)
+    out = subprocess.run(
+        [python, "-c", code], env=env, capture_output=True, text=True, cwd=launch_dir()
+    )
     return out.stdout.strip() or "unknown device"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test, small sizes")
     parser.add_argument(
@@ -163,7 +182,7 @@ def main() -> None:
         default=560.0,
         help="skip a run that could end past this many seconds (default fits a 600 s call)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         trees = {"before": Path(os.environ["BEFORE"]), "after": Path(os.environ["AFTER"])}
         out_dir = Path(os.environ["OUT"])
@@ -225,7 +244,3 @@ def main() -> None:
     report.append("```")
     (out_dir / "before_after.md").write_text("\n".join(report) + "\n")
     print("\n".join(report))
-
-
-if __name__ == "__main__":
-    main()

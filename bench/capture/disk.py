@@ -1,5 +1,5 @@
 """The disk under the sink's directory, and the capture engine into it: the first two
-measurements of bench/capture_load.py, and the disk rate bench/capture_soak.py offers
+measurements of bench/capture/load.py, and the disk rate bench/capture/soak.py offers
 against.
 
 1. **The disk.** Sequential writes of shard-sized files from pinned memory, timed until
@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import torch
-from capture_drain import d2h_gbps  # bench/ is on sys.path as a script
 
+from bench.capture.drain import d2h_gbps
 from syncless.capture import CaptureEngine, EngineConfig, SafetensorsSink
 
 MiB = 1 << 20

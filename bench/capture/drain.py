@@ -9,8 +9,8 @@ drain throughput of at least 90% of the pinned bandwidth. Also reported: the cop
 own device throughput (the engine's ``d2h_ms``), and the host cost of one
 ``capture()`` of a small tensor.
 
-    python bench/capture_drain.py                      # H200 defaults: 4 GiB ring, 1 GiB staging
-    python bench/capture_drain.py --no-record          # CPU: runs, numbers mean nothing
+    python -m bench.capture drain                      # H200 defaults: 4 GiB ring, 1 GiB staging
+    python -m bench.capture drain --no-record          # CPU: runs, numbers mean nothing
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from capture_host import times_us  # bench/ is on sys.path as a script
-from results import append_result
 
+from bench.capture.host import times_us
+from bench.harness import append_result
 from syncless.capture import CapturedRecord, CaptureEngine
 
 MiB = 1 << 20
@@ -93,7 +93,7 @@ def drain_run(
 
 def capture_host_us(device: torch.device, calls: int) -> float:
     """Median host time of one capture() of a 4 KiB tensor into a roomy ring (the
-    split of that time: bench/capture_host.py)."""
+    split of that time: bench/capture/host.py)."""
     engine = CaptureEngine(64 * MiB, 16 * MiB, NullSink(), device=device)
     times = times_us(engine, torch.randn(1024, device=device), calls)
     engine.close()
@@ -122,7 +122,7 @@ def driver_floor_us(device: torch.device, calls: int) -> float | None:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ring-mb", type=int, default=4096 if cuda else 64)
@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--total-gb", type=float, default=16 if cuda else 0.25)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     staging = args.staging_mb * MiB
@@ -160,7 +160,3 @@ def main() -> None:
     print(line)
     if not args.no_record:
         append_result("capture_drain", line)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Where the capture engine's step cost lands on the GPU: longer kernels, or idle gaps.
 
-``bench/capture_load.py`` measures what the engine costs a GPU-bound step; this says
+``bench/capture/load.py`` measures what the engine costs a GPU-bound step; this says
 where. It runs the same model and the same capture mixes (``off``, ``mixed-deferred``,
 ``torch-copy``, ...) and traces a few steps of each with the CUDA profiler (CUPTI only,
 no CPU activity, so the host pays little for the trace). Per step, on the training
@@ -9,8 +9,8 @@ over 50 us apart. A cost in kernel time is the device's (the D2H traffic, the co
 into the ring); a cost in idle time is the host's: the training thread was late to
 launch (it waited on the GIL or on a driver lock held by the engine's threads).
 
-    python bench/capture_gaps.py                       # one H200, llama-1b
-    python bench/capture_gaps.py --modes off,mixed      # other capture_load modes
+    python -m bench.capture gaps                       # one H200, llama-1b
+    python -m bench.capture gaps --modes off,mixed      # other capture_load modes
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ import argparse
 import json
 import statistics
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import torch
-from capture_load import CaptureMode  # bench/ is on sys.path as a script
-from hf_models import bench_device, build_workload, model_specs, train_step
-from results import append_result
+
+from bench.capture.load import CaptureMode
+from bench.harness import append_result, by_name, interleave
+from bench.stacks.hf_models import bench_device, build_workload, model_specs, train_step
 
 GAP_US = 50.0
 
@@ -90,7 +92,7 @@ def trace_mode(work, mode: str, args: argparse.Namespace, folder: Path) -> dict[
     return stream_summary(streams[main], args.steps)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--modes", default="off,mixed-deferred,torch-copy")
@@ -102,24 +104,25 @@ def main() -> None:
     parser.add_argument("--ring-mb", type=int, default=4096)
     parser.add_argument("--staging-mb", type=int, default=1024)
     parser.add_argument("--no-append", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("capture_gaps traces CUDA kernels: it needs a GPU")
     device, _ = bench_device(False)
     spec = model_specs()[args.model]
     work = build_workload(spec, device)
     modes = args.modes.split(",")
-    results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+
+    def progress(r: int, traced: dict[str, dict[str, float]], seconds: float) -> None:
+        for mode, s in traced.items():
+            print(
+                f"  round {r} {mode}: wall {s['wall']:.2f} ms/step, busy {s['busy']:.2f}, "
+                f"idle {s['idle']:.2f} ({s['gaps']:.0f} gaps > {GAP_US:.0f} us: "
+                f"{s['gap_ms']:.2f} ms)"
+            )
+
     with tempfile.TemporaryDirectory(prefix="capture-gaps-") as tmp:
-        for r in range(args.rounds):
-            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-                results[mode].append(trace_mode(work, mode, args, Path(tmp)))
-                s = results[mode][-1]
-                print(
-                    f"  round {r} {mode}: wall {s['wall']:.2f} ms/step, busy {s['busy']:.2f}, "
-                    f"idle {s['idle']:.2f} ({s['gaps']:.0f} gaps > {GAP_US:.0f} us: "
-                    f"{s['gap_ms']:.2f} ms)"
-                )
+        contestants = {mode: partial(trace_mode, work, mode, args, Path(tmp)) for mode in modes}
+        results = by_name(interleave(contestants, args.rounds, after_round=progress))
     parts = []
     for mode in modes:
         med = {k: statistics.median(s[k] for s in results[mode]) for k in results[mode][0]}
@@ -135,7 +138,3 @@ def main() -> None:
     print(line)
     if not args.no_append:
         append_result("capture_gaps", line)
-
-
-if __name__ == "__main__":
-    main()

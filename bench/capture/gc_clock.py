@@ -1,7 +1,7 @@
 """Python's garbage collections during a benchmark, per generation and per mode.
 
 A collection runs on whichever thread allocates when a threshold trips, the training
-thread included; a full one walks every tracked object (bench/gc_pause.py). The
+thread included; a full one walks every tracked object (bench/RESULTS.md, gc_pause). The
 capture benchmarks count them per mode: the engine's own objects change how often
 they come (docs/capture.md, "Garbage collection").
 """

@@ -1,14 +1,14 @@
 """Python's garbage collections while one engine captures, step after step.
 
-``bench/capture_load.py`` counts collections per segment, but builds an engine per
+``bench/capture/load.py`` counts collections per segment, but builds an engine per
 segment (thousands of record slots each), which can itself bring a full collection.
 This keeps one engine for ``--steps`` steps of the shrunk benchmark model on the CPU
-(``bench/hf_models.py``), after a ``gc.collect()``, and counts the collections of each
-generation and their time per mode: what a long run pays. A full (generation 2)
-collection walks every object the process tracks (``bench/gc_pause.py``).
+(``bench/stacks/hf_models.py``), after a ``gc.collect()``, and counts the collections of
+each generation and their time per mode: what a long run pays. A full (generation 2)
+collection walks every object the process tracks (bench/RESULTS.md, ``gc_pause``).
 
-    python bench/capture_gc.py                              # off, mixed-deferred, mixed
-    python bench/capture_gc.py --steps 300 --modes off,mixed
+    python -m bench.capture gc_counts                              # off, mixed-deferred, mixed
+    python -m bench.capture gc_counts --steps 300 --modes off,mixed
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from capture_load import CaptureMode  # bench/ is on sys.path as a script
-from gc_clock import GcClock
-from hf_models import build_workload, model_specs, tiny, train_step
-from results import append_result
+
+from bench.capture.gc_clock import GcClock
+from bench.capture.load import CaptureMode
+from bench.harness import append_result
+from bench.stacks.hf_models import build_workload, model_specs, tiny, train_step
 
 
 def run_mode(work, mode: str, args: argparse.Namespace, folder: Path, clock: GcClock) -> str:
@@ -47,7 +48,7 @@ def run_mode(work, mode: str, args: argparse.Namespace, folder: Path, clock: GcC
     return f"{mode}: {clock.generations(mode)}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--modes", default="off,mixed-deferred,mixed")
@@ -55,8 +56,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--small", type=int, default=16, help="4 KiB rows per layer (mixed)")
     parser.add_argument("--no-append", action="store_true")
-    args = parser.parse_args()
-    # CaptureMode's settings (bench/capture_load.py), sized for the CPU.
+    args = parser.parse_args(argv)
+    # CaptureMode's settings (bench/capture/load.py), sized for the CPU.
     args.writers, args.ring_mb, args.staging_mb = 4, 256, 64
     args.gather_mb = args.gather_s = None
     spec = model_specs()[args.model]
@@ -72,7 +73,3 @@ def main() -> None:
     print(line)
     if not args.no_append:
         append_result("capture_gc", line)
-
-
-if __name__ == "__main__":
-    main()

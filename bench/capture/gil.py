@@ -5,13 +5,13 @@ a writer runs Python, the training thread waits there. On a GPU-bound step that 
 is hidden while the host is ahead of the device, and costs step time where it is not
 (after a sync, at the start of a step). This times a training thread's small ops
 (50 per "layer", each one launch) between the captures of a mix like
-``bench/capture_load.py``'s (per layer, one large tensor and 16 rows of 4 KiB), without
+``bench/capture/load.py``'s (per layer, one large tensor and 16 rows of 4 KiB), without
 the engine, with immediate copies and with deferred ones, and reports the op times'
 tail and the time per step spent in waits over 100 us, with the drain's longest look
 (``capture/self/drain_look_max_ms``).
 
-    python bench/capture_gil.py                  # the current device
-    python bench/capture_gil.py --writers 1      # one sink writer thread instead of 4
+    python -m bench.capture gil                  # the current device
+    python -m bench.capture gil --writers 1      # one sink writer thread instead of 4
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import statistics
 import time
 
 import torch
-from capture_drain import NullSink  # bench/ is on sys.path as a script
-from results import append_result
 
+from bench.capture.drain import NullSink
+from bench.harness import append_result
 from syncless.capture import CaptureEngine, EngineConfig
 
 MiB = 1 << 20
@@ -64,13 +64,13 @@ def summary(times: list[float], steps: int) -> str:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--big-mb", type=int, default=16, help="the large capture per layer")
     parser.add_argument("--writers", type=int, default=4)
     parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # [n, ROWS, 1024] float32: big[0, i] is one 4 KiB row.
     big = torch.randn(args.big_mb * MiB // (ROWS * 1024 * 4), ROWS, 1024, device=device)
@@ -97,7 +97,3 @@ def main() -> None:
     )
     if not args.no_record:
         print(append_result("capture_gil", result))
-
-
-if __name__ == "__main__":
-    main()

@@ -10,7 +10,7 @@ other Python thread). Inline with the copy skipped is the engine's Python alone;
 mode with threads against the same mode inline is what the engine's threads take from
 the training thread; deferred against skipped inline, what holding the tensor costs.
 
-    python bench/capture_host.py       # CUDA; on the CPU it runs, numbers mean little
+    python -m bench.capture host       # CUDA; on the CPU it runs, numbers mean little
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import statistics
 import time
 
 import torch
-from results import append_result  # bench/ is on sys.path as a script
 
+from bench.harness import append_result
 from syncless.capture import CaptureEngine, EngineConfig, MemorySink
 
 
@@ -39,11 +39,11 @@ def _landed_without_copy(rec, tensor, stream, defer=False, defer_copy=False) -> 
     rec.landed, rec.mark = rec.event, -1
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=3072)
     parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(1024, device=device)
     ring, staging = (1 << 30, 256 << 20) if device == "cuda" else (64 << 20, 16 << 20)
@@ -79,7 +79,3 @@ def main() -> None:
     result = f"capture() host us, median / mean of {args.calls} (4 KiB): {text}"
     if not args.no_record:
         print(append_result("capture_host", result))
-
-
-if __name__ == "__main__":
-    main()

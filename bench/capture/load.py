@@ -2,7 +2,7 @@
 
 Issue 23. Three measurements in one process:
 
-1. **The disk** (bench/capture_disk.py). What the sink's directory takes: sequential
+1. **The disk** (bench/capture/disk.py). What the sink's directory takes: sequential
    writes of shard-sized files from pinned memory, timed until written (the page cache)
    and until on disk (``os.sync``), by one writer and by a pool. The synced rate is what
    the sink can sustain for hours; the page cache only absorbs bursts.
@@ -10,10 +10,10 @@ Issue 23. Three measurements in one process:
    hidden-state size captured back to back (``on_full="block"``) into the default
    safetensors sink, timed until the sink has everything and until it is synced,
    against min(pinned D2H, disk).
-3. **Training.** A Hugging Face model built from its config (bench/hf_models.py,
+3. **Training.** A Hugging Face model built from its config (bench/stacks/hf_models.py,
    default llama-1b: 16 layers, B 4 x L 2048; under bf16 autocast over float32
    parameters the residual stream is float32, 64 MiB per layer, 1 GiB per step),
-   interleaved A/B segments (bench/segments.py) of ``off`` against: ``null`` (every
+   interleaved A/B segments (bench/stacks/segments.py) of ``off`` against: ``null`` (every
    layer into a sink that discards: the D2H path and the engine's threads alone),
    ``disk-1`` (every layer into the safetensors sink, one writer), ``disk``
    (``--writers`` writers), ``disk-quarter`` (every fourth layer: a rate near what the
@@ -27,8 +27,8 @@ Issue 23. Three measurements in one process:
    step. Per mode: the step's overhead, the rate offered and stored, drops, the engine threads'
    CPU time, and ``capture()``'s host time per call, small and large apart.
 
-    python bench/capture_load.py                          # one H200
-    python bench/capture_load.py --tiny --no-append      # CPU smoke test
+    python -m bench.capture load                          # one H200
+    python -m bench.capture load --tiny --no-append      # CPU smoke test
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ import time
 from pathlib import Path
 
 import torch
-from capture_disk import disk_stage  # bench/ is on sys.path as a script
-from capture_drain import NullSink
-from gc_clock import GcClock
-from hf_models import bench_device, build_workload, model_specs, throughput, tiny
-from results import append_result
-from segments import ModelState, Segment, measure, round_overheads
 
+from bench.capture.disk import disk_stage
+from bench.capture.drain import NullSink
+from bench.capture.gc_clock import GcClock
+from bench.harness import append_result, round_overheads
+from bench.stacks.hf_models import bench_device, build_workload, model_specs, throughput, tiny
+from bench.stacks.segments import ModelState, Segment, measure
 from syncless.capture import CaptureEngine, EngineConfig, SafetensorsSink
 
 MiB = 1 << 20
@@ -260,7 +260,7 @@ def run_training(args: argparse.Namespace, device, matmul, folder: Path) -> list
     return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--modes", default=",".join(MODES))
@@ -288,7 +288,7 @@ def main() -> None:
         default=None,
         help="sys.setswitchinterval for the run (seconds; CPython's default is 0.005)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.switch_interval is not None:
         # How long a thread that wants the GIL waits before it forces a switch: if the
         # engine's cost moves with it, the training thread waits on the GIL.
@@ -310,7 +310,3 @@ def main() -> None:
         print(line)
         if not args.no_append:
             append_result("capture_load", line)
-
-
-if __name__ == "__main__":
-    main()

@@ -10,8 +10,8 @@ what was offered, stored and dropped, and the process's resident memory. A janit
 deletes the oldest shards beyond ``--keep-gb``, so the disk never fills: the files are
 written as in training, only their retention differs.
 
-    python bench/capture_soak.py --minutes 9                  # one H200: one device call
-    python bench/capture_soak.py --minutes 0.5 --tiny --no-append   # CPU smoke test
+    python -m bench.capture soak --minutes 9                  # one H200: one device call
+    python -m bench.capture soak --minutes 0.5 --tiny --no-append   # CPU smoke test
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 import torch
-from capture_disk import disk_rate  # bench/ is on sys.path as a script
-from results import append_result
 
+from bench.capture.disk import disk_rate
+from bench.harness import append_result
 from syncless.capture import CaptureEngine, EngineConfig, SafetensorsSink
 
 MiB = 1 << 20
@@ -147,7 +147,7 @@ def soak(args: argparse.Namespace, folder: Path, rate: float) -> tuple[list[dict
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=9.0)
     parser.add_argument("--rate", type=float, default=None, help="GB/s offered")
@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the sink writes (default: temp)")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--no-append", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.tiny:
         args.record_mb, args.ring_mb, args.staging_mb = 1, 64, 16
         args.keep_gb, args.interval_s = 0.2, 5.0
@@ -191,7 +191,3 @@ def main() -> None:
     print(line)
     if not args.no_append:
         print(append_result("capture_soak", line))
-
-
-if __name__ == "__main__":
-    main()

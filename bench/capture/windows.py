@@ -26,9 +26,9 @@ the drain copying between them). For each mode, on each rank:
 The issue's target: the overlap falls by >= 97% with windows, every capture byte-exact,
 step time no worse than batching.
 
-    python bench/capture_windows.py --nproc 2                 # demo large on 2 GPUs
-    python bench/capture_windows.py --nproc 2 --attribute     # + boundaries without captures
-    python bench/capture_windows.py --nproc 2 --preset tiny --layers 0,1 --steps 6 --warmup 2 --no-record
+    python -m bench.capture windows --nproc 2                 # demo large on 2 GPUs
+    python -m bench.capture windows --nproc 2 --attribute     # + boundaries without captures
+    python -m bench.capture windows --nproc 2 --preset tiny --layers 0,1 --steps 6 --warmup 2 --no-record
 """
 
 from __future__ import annotations
@@ -43,11 +43,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from results import append_result, metric_values
 from torch.profiler import ProfilerActivity, profile
-from torchrun import relaunch  # bench/ is on sys.path as a script
-from train_step import add_blocking_sync_flag, blocking_sync
 
+from bench.demo.train_step import add_blocking_sync_flag, blocking_sync
+from bench.harness import append_result, metric_values, relaunch
 from syncless.capture import open as open_captures
 from syncless.demo.capture_tool import CaptureTool, parse_layers
 from syncless.demo.config import preset
@@ -312,7 +311,7 @@ def report(args: argparse.Namespace, per_rank: list[dict]) -> None:
         append_result("capture_windows", line)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--preset", default="large")
@@ -337,13 +336,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return
     with tempfile.TemporaryDirectory() as out:
-        sys.exit(relaunch(__file__, args.nproc, "--out", out))
-
-
-if __name__ == "__main__":
-    main()
+        sys.exit(relaunch(__name__, args.nproc, argv, "--out", out))

@@ -6,7 +6,7 @@ dense view and on a jagged nested tensor, and ``msgpack_size`` of a small metada
 next to ``len(msgpack.packb(...))`` of the same dict. Baseline: ``list.append`` of the
 value (the cheapest possible "keep the sample" a wrapper could do instead).
 
-Usage: ``python bench/dataplane_histogram.py [--no-record]``
+Usage: ``python -m bench.dataplane histogram [--no-record]``
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import Callable
 import msgpack
 import numpy as np
 import torch
-from results import append_result  # bench/ is on sys.path as a script
 
+from bench.harness import append_result
 from syncless.dataplane.bytes import msgpack_size, tensor_nbytes
 from syncless.dataplane.histogram import LogHistogram
 
@@ -29,10 +29,10 @@ def per_call_us(fn: Callable[[], object], number: int) -> float:
     return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     h = LogHistogram()
     record = h.record
@@ -66,7 +66,3 @@ def main() -> None:
         "host accounting cost, us/call (best of 5): "
         + "; ".join(f"{name} {us:.3f}" for name, us in rows),
     )
-
-
-if __name__ == "__main__":
-    main()

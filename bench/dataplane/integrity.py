@@ -7,23 +7,20 @@ order-aware digests of the same fields as jagged nested tensors: rows of one len
 a get returns for a dense put) and rows of varied lengths (uniform in [L/2, 3L/2), about
 the same bytes; the general jagged path).
 
-    python bench/dataplane_integrity.py [--repeats 7] [--no-record]
+    python -m bench.dataplane integrity [--repeats 7] [--no-record]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
+from functools import partial
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import append_result
-
+from bench.harness import append_result, by_name, interleave
 from syncless.dataplane.integrity import (
     crc32_digests,
     row_digests,
@@ -59,11 +56,11 @@ def varied_rows(field: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.nested.as_nested_tensor(list(pieces), layout=torch.jagged)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator().manual_seed(0)
@@ -81,10 +78,9 @@ def main() -> None:
     }
     for fn, fields in schemes.values():  # warm-up: allocator, first-touch pages
         time_batch(fn, fields)
-    times: dict[str, list[float]] = {name: [] for name in schemes}
-    for _ in range(args.repeats):  # interleaved so drift hits every scheme alike
-        for name, (fn, fields) in schemes.items():
-            times[name].append(time_batch(fn, fields))
+    # interleaved so drift hits every scheme alike
+    runs = {name: partial(time_batch, fn, fields) for name, (fn, fields) in schemes.items()}
+    times = by_name(interleave(runs, args.repeats, rotate=False))
 
     med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
     xor_ms = med["xor_fold (hash_tensor)"]
@@ -100,7 +96,3 @@ def main() -> None:
     )
     if not args.no_record:
         print(append_result("dataplane_integrity", line))
-
-
-if __name__ == "__main__":
-    main()

@@ -4,9 +4,9 @@
 of varying length, same total). The inner client does nothing (put) or returns the
 prepared fields (get), so the difference between a wrapped call and a direct call is
 the wrapper's own cost: timing, byte accounting, histogram record. Guard off (its cost
-is bench/dataplane_integrity.py). Median of interleaved repeats.
+is bench/dataplane/integrity.py). Median of interleaved repeats.
 
-    python bench/dataplane_overhead.py
+    python -m bench.dataplane overhead
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import statistics
 import time
 
 import torch
-from results import append_result  # bench/ is on sys.path as a script
 
+from bench.harness import append_result
 from syncless.dataplane.backends.null import NullStore
 from syncless.dataplane.histogram import LogHistogram
 from syncless.dataplane.metrics_client import MetricsClient
@@ -49,12 +49,12 @@ def overhead(fields, reps: int, rounds: int) -> tuple[float, float]:
     return statistics.median(put_d), statistics.median(get_d)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     dense = {"obs": torch.randn(256, 17408)}
     g = torch.Generator().manual_seed(0)
@@ -81,7 +81,3 @@ def main() -> None:
     print(line)
     if not args.no_record:
         append_result("dataplane_overhead", line)
-
-
-if __name__ == "__main__":
-    main()

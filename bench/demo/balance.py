@@ -14,8 +14,8 @@ monitor reading every step, and reports per window of steps:
 
 Balanced is a share of 1/E (imbalance 1, CV 0); top-2 caps a share at 50%.
 
-    python bench/demo_balance.py                         # small preset, 300 steps
-    python bench/demo_balance.py --steps 60 --set n_layers=2 --no-record
+    python -m bench.demo balance                         # small preset, 300 steps
+    python -m bench.demo balance --steps 60 --set n_layers=2 --no-record
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from results import append_result  # bench/ is on sys.path as a script
 
+from bench.harness import append_result
 from syncless.demo.config import preset
 from syncless.demo.monitors_tool import MonitorsTool
 from syncless.demo.tools import DemoContext
@@ -135,7 +135,7 @@ def run_mode(cfg, mode: str, run_dir: Path, width: int) -> tuple[str, dict]:
     return f"--balance {mode}: " + "; ".join(parts), out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--steps", type=int, default=None, help="default: the preset's")
@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a DemoConfig field, e.g. --set n_layers=2")  # fmt: skip
     parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     types = {f.name: f.type for f in dataclasses.fields(preset(args.preset))}
     overrides = {}
@@ -168,7 +168,3 @@ def main() -> None:
             print(line, flush=True)
             if not args.no_record:
                 append_result("demo_balance", line)
-
-
-if __name__ == "__main__":
-    main()

@@ -4,8 +4,8 @@ Runs `syncless demo` as a subprocess for each configuration asked for, reads the
 shards back with pyarrow and reports the median step time and tokens/s over the steps
 after warm-up. Later benchmarks quote these lines as their baseline.
 
-    python bench/demo_baseline.py --preset large --steps 40
-    python bench/demo_baseline.py --preset large --steps 40 --nproc 2 --expert-parallel
+    python -m bench.demo baseline --preset large --steps 40
+    python -m bench.demo baseline --preset large --steps 40 --nproc 2 --expert-parallel
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from results import append_result, metric_values  # bench/ is on sys.path as a script
+from bench.harness import append_result, metric_values
 
 
 def median_after_warmup(run_dir: Path, name: str, warmup: int) -> tuple[float, int]:
@@ -25,14 +25,14 @@ def median_after_warmup(run_dir: Path, name: str, warmup: int) -> tuple[float, i
     return statistics.median(values), len(values)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args, extra = parser.parse_known_args()
+    args, extra = parser.parse_known_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
@@ -50,7 +50,3 @@ def main() -> None:
     print(line)
     if not args.no_record:
         append_result("demo_baseline", line)
-
-
-if __name__ == "__main__":
-    main()

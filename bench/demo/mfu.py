@@ -1,10 +1,10 @@
 """The demo on one GPU: tokens/s, MFU and step-time CV, before and after (issue 38).
 
-    BEFORE=/path/to/old/tree python bench/demo_mfu.py     # before/after, one call, <= 9 min
-    python bench/demo_mfu.py --impls                       # grouped vs padded vs loop experts
-    python bench/demo_mfu.py --sweep [--quick]             # candidate shapes for `large`
-    python bench/demo_mfu.py --ranks                       # 1 rank, --nproc 2, + --expert-parallel
-    python bench/demo_mfu.py --smoke --no-record           # every mode, tiny, on a CPU
+    BEFORE=/path/to/old/tree python -m bench.demo mfu     # before/after, one call, <= 9 min
+    python -m bench.demo mfu --impls                       # grouped vs padded vs loop experts
+    python -m bench.demo mfu --sweep [--quick]             # candidate shapes for `large`
+    python -m bench.demo mfu --ranks                       # 1 rank, --nproc 2, + --expert-parallel
+    python -m bench.demo mfu --smoke --no-record           # every mode, tiny, on a CPU
 
 Default mode: `syncless demo --preset large` in three configurations, off, the default
 monitor stack (`--monitors all`) and everything (`--monitors all --profile events
@@ -51,9 +51,9 @@ import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from results import append_result, metric_values  # bench/ is on sys.path as a script
+from bench.harness import append_result, metric_values
 
-HERE = Path(__file__).resolve().parents[1]  # this tree: "after"
+HERE = Path(__file__).resolve().parents[2]  # this tree: "after"
 sys.path.insert(0, str(HERE))
 
 from syncless.demo.config import DemoConfig  # noqa: E402  (this tree's)
@@ -308,8 +308,8 @@ def sync_check(args: argparse.Namespace, tmp: Path) -> str:
     else:
         counts = metric_values(run, "guard/step/syncs_count", 0)
         census = f"--sync-census 2: {counts} syncs per step (steps 1, 2)"
-    child = [sys.executable, __file__, "--sync-check-child", "--preset", args.preset,
-             *(["--smoke"] if args.smoke else [])]  # fmt: skip
+    child = [sys.executable, "-m", "bench.demo", "mfu", "--sync-check-child",
+             "--preset", args.preset, *(["--smoke"] if args.smoke else [])]  # fmt: skip
     left = DEADLINE - time.monotonic()
     if left < 60:
         check = "the step under the CUDA sync debug mode: skipped, the call's --budget-s ran out"
@@ -440,7 +440,7 @@ def sweep(args: argparse.Namespace, tmp: Path) -> list[str]:
             f" off: " + "; ".join(parts)]  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--impls", action="store_true", help="grouped vs padded vs loop")
@@ -459,7 +459,7 @@ def main() -> None:
                         help="seconds for the whole call: runs that would start later are "
                         "skipped and say so (default 540: one 10-minute device call)")  # fmt: skip
     parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args, args.demo_args = parser.parse_known_args()
+    args, args.demo_args = parser.parse_known_args(argv)
     small, one_tree = args.smoke, args.sweep or args.impls or args.ranks
     args.preset = args.preset or ("tiny" if small else "large")
     if args.sync_check_child:
@@ -484,7 +484,3 @@ def main() -> None:
             lines = before_after(args, Path(tmp))
     for line in lines:
         print(line if args.no_record else append_result("demo_mfu", line), flush=True)
-
-
-if __name__ == "__main__":
-    main()

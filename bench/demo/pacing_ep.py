@@ -23,8 +23,8 @@ round):
 It names the configurations that beat drain with peak memory within 5% of it, and the
 depth that does best among them (the `--run-ahead` default it backs).
 
-    python bench/pacing_ep.py --nproc 2                     # demo large on 2 GPUs
-    python bench/pacing_ep.py --nproc 2 --preset tiny --rounds 2 --block 3 --no-record
+    python -m bench.demo pacing_ep --nproc 2                     # demo large on 2 GPUs
+    python -m bench.demo pacing_ep --nproc 2 --preset tiny --rounds 2 --block 3 --no-record
 """
 
 from __future__ import annotations
@@ -36,12 +36,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torchrun import relaunch  # bench/ is on sys.path as a script
 
+from bench.harness import append_result, by_name, interleave, relaunch
 from syncless.demo.config import DemoConfig, preset
 from syncless.demo.dispatch import AllToAllDispatcher
 from syncless.demo.model import MoETransformer, init_weights
@@ -165,15 +166,17 @@ def worker(args: argparse.Namespace) -> None:
 
     for name in names:  # first use: plans computed, kernels and allocator warm
         run_block(work, dispatchers[name], 0, 2)
-    blocks: dict[str, list[Block]] = {name: [] for name in names}
-    for r in range(args.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            try:
-                blocks[name].append(run_block(work, dispatchers[name], args.warmup, args.block))
-            except torch.cuda.OutOfMemoryError:
-                print(f"rank {rank}: {name} ran out of memory (the failure issue 8 describes); "
-                      f"rerun with --modes leaving it out", file=sys.stderr)  # fmt: skip
-                raise
+
+    def block(name: str) -> Block:
+        try:
+            return run_block(work, dispatchers[name], args.warmup, args.block)
+        except torch.cuda.OutOfMemoryError:
+            print(f"rank {rank}: {name} ran out of memory (the failure issue 8 describes); "
+                  f"rerun with --modes leaving it out", file=sys.stderr)  # fmt: skip
+            raise
+
+    rounds = interleave({name: partial(block, name) for name in names}, args.rounds)
+    blocks: dict[str, list[Block]] = {name: [] for name in names} | by_name(rounds)
 
     mine = torch.tensor(
         [[astuple(b) for b in blocks[name]] for name in names], dtype=torch.float64, device=device
@@ -243,9 +246,6 @@ def report(
     print(verdict)
     if args.no_record:
         return
-    sys.path.insert(0, os.path.dirname(__file__))
-    from results import append_result
-
     table = "; ".join(
         f"{n} {ms:.1f} ms ({(ms / base_ms - 1) * 100:+.1f}%), blocked {b:.1f} ms, "
         f"peak {p / 2**30:.2f} GiB"
@@ -259,7 +259,7 @@ def report(
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--preset", default="large")
@@ -271,12 +271,8 @@ def main() -> None:
     parser.add_argument("--validate-every", type=int, default=0, help="static plan validation")
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return
-    sys.exit(relaunch(__file__, args.nproc))
-
-
-if __name__ == "__main__":
-    main()
+    sys.exit(relaunch(__name__, args.nproc, argv))

@@ -1,6 +1,6 @@
 """Where the demo step's time goes, by torch.profiler (a diagnostic, not a benchmark).
 
-python bench/profile_demo.py --preset large --steps 8 --profile-steps 3
+python -m bench.demo torch_profile --preset large --steps 8 --profile-steps 3
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ class ProfileTool:
         pass
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=25)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     tool = ProfileTool(first=args.steps - args.profile_steps, n=args.profile_steps)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = preset(args.preset, steps=args.steps, log_every=1)
@@ -58,7 +58,3 @@ def main() -> None:
     print(
         tool.prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=60)
     )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,13 +1,13 @@
 """Where the attention monitor's device time goes inside a real training step (CUDA).
 
-bench/attention_kernel.py times the statistics kernel alone; inside a Hugging Face
+bench/monitors/attention_kernel.py times the statistics kernel alone; inside a Hugging Face
 training step the monitor's measured device time was about twice the sum of its
 kernels' isolated times (bench/RESULTS.md, real_models at de42001). This profiles
 monitored steps with ``torch.profiler`` and prints the device time of every kernel the
 monitor launches (and the step's largest ones), then times the same grouped launch on
 tensors of the same shapes outside the step.
 
-    python bench/attention_insitu.py --model llama-1b
+    python -m bench.monitors attention_insitu --model llama-1b
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import statistics
 
 import torch
 import triton
-from hf_models import build_workload, model_specs, train_step
-from results import append_result
 from torch.profiler import ProfilerActivity, profile
 
+from bench.harness import append_result
+from bench.stacks.hf_models import build_workload, model_specs, train_step
 from syncless.kernels import attention, rope
 from syncless.monitors import attach, build
 
@@ -95,11 +95,11 @@ def isolated(spec) -> str:
         print(f"isolated {name}: {statistics.median(ms):.3f} ms for {n} layers")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-1b", choices=list(model_specs()))
     parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     spec = model_specs()[args.model]
     work = build_workload(spec, torch.device("cuda"))
     inside = profiled(work, args.steps)
@@ -113,7 +113,3 @@ def main() -> None:
         f"device ms per step over {args.steps} profiled steps: {inside}; the same launches "
         f"alone (do_bench median of 3): {alone}",
     ))  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()

@@ -23,7 +23,7 @@ and checks the statistics of two heads against a float64 reference (rows in chun
 32k tokens fit). ``--sweep`` first times every config of ``SWEEP`` on one shape per
 head_dim and uses the best one for that head_dim in the rest of the run.
 
-    python bench/attention_kernel.py --sweep
+    python -m bench.monitors attention_kernel --sweep
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from results import append_result
 
+from bench.harness import append_result
 from syncless.kernels import attention, rope
 
 # name, batch, heads, kv heads, length, head_dim, sliding window
@@ -297,7 +297,7 @@ def missed(row: dict, target: float = 2.0) -> str:
     return f" (target <= {target:g}x: missed by {x_floor - target:.2f}x; {why})"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="pick the config per head_dim")
     parser.add_argument(
@@ -307,7 +307,7 @@ def main() -> None:
     )
     parser.add_argument("--shapes", default="", help="comma list of shape names (default all)")
     parser.add_argument("--json", default=os.environ.get("OUT", ".") + "/attention_kernel.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rates = {"matmul": matmul_rate(), "exp2": exp2_rate()}
     print(f"bf16 matmul {rates['matmul'] / 1e12:.0f} TFLOP/s; exp2 {rates['exp2'] / 1e12:.2f} T/s")
     chosen = sweep(rates, list(filter(None, args.sweep_shapes.split(",")))) if args.sweep else {}
@@ -345,7 +345,3 @@ def main() -> None:
             f"rate ({rates['exp2'] / 1e12:.2f} T/s): {per_shape}",
         )
     )
-
-
-if __name__ == "__main__":
-    main()

@@ -9,7 +9,7 @@ cost: 1,549 records per step), runs a few steps, then times on the same readout:
 * the same decode + records as a per-key Python loop (the implementation before
   d551bcf), written here as the baseline, so the ratio is measured in one run.
 
-    python bench/monitor_flush.py
+    python -m bench.monitors flush
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
-from results import append_result  # bench/ is on sys.path as a script
 
+from bench.harness import append_result
 from syncless.demo.config import preset
 from syncless.demo.model import MoETransformer, init_weights
 from syncless.metrics.readout import decode
@@ -87,10 +87,10 @@ def best_ms(fn, repeats: int = 30) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cfg = preset("large", expert_hidden=64, seq_len=32, batch_size=1)
     model = MoETransformer(cfg)
     init_weights(model, 0)
@@ -137,7 +137,3 @@ def main() -> None:
     print(line)
     if not args.no_record:
         append_result("monitor_flush", line)
-
-
-if __name__ == "__main__":
-    main()

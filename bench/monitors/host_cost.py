@@ -11,7 +11,7 @@ them, the cost of the primitives a hook is made of on this host: an empty Python
 one aten op, one ``torch.empty``, one launch of a trivial Triton kernel. Then the
 flush (``handle.step``) with every monitor, and its profile's top entries.
 
-    python bench/monitor_host_cost.py             # CUDA; on CPU only the torch rows
+    python -m bench.monitors host_cost             # CUDA; on CPU only the torch rows
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 
 import torch
-from results import append_result  # bench/ is on sys.path as a script
 
+from bench.harness import append_result
 from syncless import kernels
 from syncless.demo.config import preset
 from syncless.demo.model import MoETransformer, init_weights
@@ -129,10 +129,10 @@ def flush_profile(model, tokens, opt) -> tuple[float, str]:
     return statistics.median(times[4:]), text.getvalue()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = (
         preset("large")
@@ -173,7 +173,3 @@ def main() -> None:
             + ", ".join(f"{k} {v:.1f}" for k, v in prims.items())
             + f"; flush (handle.step, all monitors) {flush_ms:.2f} ms",
         )
-
-
-if __name__ == "__main__":
-    main()

@@ -8,7 +8,7 @@ the modules it hooks (one per layer; norms hooks the optimizer, reported per lay
 Both kernel backends (syncless.kernels: fused Triton, torch ops) run in the same
 process. The issue's target is at most 3 per hooked module.
 
-    python bench/monitor_kernels.py            # demo large dims, 4 layers
+    python -m bench.monitors kernels            # demo large dims, 4 layers
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from results import append_result  # bench/ is on sys.path as a script
 from torch.profiler import ProfilerActivity, profile
 
+from bench.harness import append_result
 from syncless import kernels
 from syncless.demo.config import preset
 from syncless.demo.model import MoETransformer, init_weights
@@ -100,11 +100,11 @@ def qk_device_ms(n_layers: int = 24) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("monitor_kernels counts GPU launches: it needs CUDA")
     backends = ["triton", "torch"] if kernels.triton_importable() else ["torch"]
@@ -141,7 +141,3 @@ def main() -> None:
             else ""
         ),
     )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """The same statistics the built-in monitors record, computed the obvious way.
 
 One `.item()` per statistic inside the hook and one all_reduce per metric: the monitor
-stack many teams write first. Only for bench/monitors_overhead.py, as the comparison
+stack many teams write first. Only for bench/monitors/overhead.py, as the comparison
 that puts the built-in monitors' cost in context. Not part of the library.
 """
 

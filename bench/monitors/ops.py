@@ -9,7 +9,7 @@ included, amortised). Deterministic: no timing. On CUDA an aten op launches at l
 kernel (some launch more: topk, large reductions' memsets), so this is a lower bound
 on the launches the issue's "at most 3 per hooked module" target counts.
 
-    python bench/monitor_ops.py
+    python -m bench.monitors ops
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections import Counter
 
 import torch
 import torch.nn.functional as F
-from results import append_result  # bench/ is on sys.path as a script
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.harness import append_result
 from syncless.demo.config import preset
 from syncless.demo.model import MoETransformer, init_weights
 from syncless.monitors import MONITORS, attach, build
@@ -77,10 +77,10 @@ def step_ops(monitor: str | None) -> tuple[int, int, Counter]:
     return sum(counter.ops.values()), cfg.n_layers, counter.ops
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     base, _, base_ops = step_ops(None)
     rows = []
     for name in MONITORS:
@@ -99,7 +99,3 @@ def main() -> None:
         "kernel-launching aten ops added per layer per step, demo tiny 4 layers (forward+backward+optimizer+"
         "flush, counted): " + "; ".join(f"{n} {p:.1f}" for n, _, _, p, _ in rows),
     )
-
-
-if __name__ == "__main__":
-    main()

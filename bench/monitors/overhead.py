@@ -1,6 +1,6 @@
 """Step-time overhead of the built-in monitors on the demo's train step, in one run.
 
-The workload is bench/train_step.py: the demo's training step in a tight loop, every
+The workload is bench/demo/train_step.py: the demo's training step in a tight loop, every
 step the same work (why: see there). Monitor records still go to a Run with its
 Parquet sink: emitting them is part of the cost. Garbage collection stays on (monitors
 allocate; collections are theirs to pay), with the setup's objects frozen out of it.
@@ -29,7 +29,7 @@ monitored step at the H200's measured copy bandwidth, as a share of the off step
 syncless.monitors (a census over one period of the "all" phase) and exactly one D2H
 copy per flush.
 
-    python bench/monitors_overhead.py --preset large --periods 30
+    python -m bench.monitors overhead --preset large --periods 30
 """
 
 from __future__ import annotations
@@ -45,9 +45,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from naive_monitors import NaiveMonitors  # bench/ is on sys.path as a script
-from results import append_result
-from train_step import (
+
+from bench.demo.train_step import (
     ON,
     PERIOD,
     TrainStep,
@@ -57,7 +56,8 @@ from train_step import (
     low_percentile_ratio,
     paired_estimates,
 )
-
+from bench.harness import append_result
+from bench.monitors.naive import NaiveMonitors
 from syncless import kernels
 from syncless.demo.config import preset
 from syncless.guard import census
@@ -153,7 +153,7 @@ def run_phase(
     return times
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--periods", type=int, default=20, help="monitored steps per phase")
@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--dump", help="write every phase's per-step times (s) to this JSON")
     add_blocking_sync_flag(parser)
     parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     kernels.set_backend(args.kernels)
     blocking = args.blocking_sync and blocking_sync()
     phases = args.phases.split(",")
@@ -310,7 +310,3 @@ def floor_bytes(cfg, n_params: int) -> dict[str, float]:
 class _DummyOpt(torch.optim.SGD):
     def __init__(self) -> None:
         super().__init__([torch.zeros(1, requires_grad=True)], lr=0.0)
-
-
-if __name__ == "__main__":
-    main()

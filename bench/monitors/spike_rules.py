@@ -8,8 +8,8 @@ were not spikes, in standard deviations (z) and as a fraction of the mean (rel):
 plants spikes of a few sizes into the same series and says which the rule catches. The
 defaults of ``syncless.monitors.spikes.SpikeRule`` are chosen from this table.
 
-    python bench/spike_rules.py                 # ~3 min on 2 CPU cores
-    python bench/spike_rules.py --no-append     # print only
+    python -m bench.monitors spike_rules                 # ~3 min on 2 CPU cores
+    python -m bench.monitors spike_rules --no-append     # print only
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from results import append_result, metric_values
-
+from bench.harness import append_result, metric_values
 from syncless.monitors.spikes import DEFAULT_SPIKES, SpikeRule
 
 
@@ -106,11 +104,11 @@ def llama_series(batch: tuple[int, int], steps: int, seed: int) -> dict[str, lis
     return {"loss": losses, "grad_norm": norms}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--no-append", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     runs: dict[str, dict[str, list[float]]] = {}
     for seed in (0, 1, 2):
         runs[f"demo tiny s{seed}"] = demo_series("tiny", args.steps, seed)
@@ -142,7 +140,3 @@ def main() -> None:
     )
     if not args.no_append:
         print(append_result("spike_rules", summary))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Section profiler overhead on the demo's train step, per mode, against off, in one run.
 
-The workload is bench/train_step.py (the demo's training step in a tight loop, every
+The workload is bench/demo/train_step.py (the demo's training step in a tight loop, every
 step the same work). Sections: forward / backward / optimizer / log around the loop
 phases and one per attention, router and experts module in the forward, the demo's
 `--profile` layout on one GPU, hooked the way the demo hooks them
@@ -22,9 +22,9 @@ Printed: median and mean of those estimates with 95% bootstrap intervals, the ra
 profiled step (it bills itself: on the host-bound demo that is most of its cost, free
 of step-time noise; the hooks' dispatch by torch is not in it).
 
-    python bench/profile_overhead.py --preset large --periods 200
-    python bench/profile_overhead.py --preset large --periods 1000 --max-seconds 420 \
-        --blocking-sync --dump run0.json    # several runs, then bench/pool_overhead.py
+    python -m bench.profile overhead --preset large --periods 200
+    python -m bench.profile overhead --preset large --periods 1000 --max-seconds 420 \
+        --blocking-sync --dump run0.json    # several runs, then bench/profile/pool.py
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import statistics
 import time
 
 import torch
-from results import append_result  # bench/ is on sys.path as a script
 from torch import nn
-from train_step import (
+
+from bench.demo.train_step import (
     ON,
     PERIOD,
     TrainStep,
@@ -48,7 +48,7 @@ from train_step import (
     overhead_summary,
     paired_estimates,
 )
-
+from bench.harness import append_result
 from syncless.demo.config import preset
 from syncless.demo.model import Attention, Experts, Router
 from syncless.profile import OFF, Profiler
@@ -61,7 +61,7 @@ class UntimedEventTimer(EventTimer):
     """A diagnostic: the events timer with timing disabled on its events.
 
     The host path is the same (same calls, one record per edge); on the device a record
-    without timing is cheaper (bench/event_device_cost.py). ``--modes
+    without timing is cheaper (bench/RESULTS.md, event_device_cost). ``--modes
     events,events-untimed`` tells what the timestamps cost the step on the device.
     Its section times are meaningless (reported as 0).
     """
@@ -144,7 +144,7 @@ def hook_sections(train: TrainStep, prof) -> list:
     return handles
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--periods", type=int, default=30, help="periods in all (modes rotate)")
@@ -156,9 +156,9 @@ def main() -> None:
                         "call has a time limit; a run cut by it records nothing)")  # fmt: skip
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--dump", help="also write the per-period estimates here (JSON), "
-                        "for bench/pool_overhead.py")  # fmt: skip
+                        "for bench/profile/pool.py")  # fmt: skip
     add_blocking_sync_flag(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     blocking = args.blocking_sync and blocking_sync()
     sync_mode = "blocking syncs" if blocking else "spinning syncs: waits included"
     rotation = args.modes.split(",")
@@ -239,7 +239,3 @@ def main() -> None:
             f"without hooks; profiled step vs the 2 off steps before it (modes rotating "
             f"{args.modes}, {sync_mode}): {'; '.join(parts)}; profiler's own host time {own}",
         )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,13 +1,13 @@
 """Pool the per-period estimates of several profile_overhead runs of one commit.
 
-One run of ``bench/profile_overhead.py`` resolves an overhead to about +-1.2 points
+One run of ``bench/profile/overhead.py`` resolves an overhead to about +-1.2 points
 (95% interval of the median, 120 periods in 5 minutes on the H200): the demo step's
 wall time jitters by several percent from step to step. A 1% target needs more periods
 than one device call (10 minutes) holds, so runs write their estimates (``--dump``)
 and this pools them: the same statistics over all periods, as if one long run.
 Pooling is decided before the runs (all dumps of the commit, none left out).
 
-    python bench/pool_overhead.py run0.json run1.json --label "2 copies side by side"
+    python -m bench.profile pool run0.json run1.json --label "2 copies side by side"
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import json
 import statistics
 from pathlib import Path
 
-from results import append_result  # bench/ is on sys.path as a script
-from train_step import overhead_summary
+from bench.demo.train_step import overhead_summary
+from bench.harness import append_result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("dumps", nargs="+", help="profile_overhead --dump files")
     parser.add_argument("--label", default="", help="how the runs ran (appended to the line)")
     parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     runs = [json.loads(Path(path).read_text()) for path in args.dumps]
     presets = {run["preset"] for run in runs}
     if len(presets) != 1:
@@ -49,7 +49,3 @@ def main() -> None:
     )
     if not args.no_record:
         append_result("profile_overhead (pooled)", text)
-
-
-if __name__ == "__main__":
-    main()

@@ -4,7 +4,7 @@ Two ranks run `steps` steps of: a section "work" (rank 1 sleeps `delay_ms` more 
 then a `size_mb` all_reduce through `Profiler.collective`. On rank 0, the injected delay
 should appear as rendezvous wait, not as transfer. NCCL on CUDA, gloo on CPU.
 
-    python bench/profile_skew.py --nproc 2 --delay-ms 5 --size-mb 128 --mode events
+    python -m bench.profile skew --nproc 2 --delay-ms 5 --size-mb 128 --mode events
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from torchrun import relaunch  # bench/ is on sys.path as a script
+
+from bench.harness import append_result, relaunch
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -52,14 +53,11 @@ def worker(args: argparse.Namespace) -> None:
         )
         print(line)
         if not args.no_record:
-            sys.path.insert(0, os.path.dirname(__file__))
-            from results import append_result
-
             append_result("profile_skew", line)
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--delay-ms", type=float, default=5.0)
@@ -69,12 +67,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return
-    sys.exit(relaunch(__file__, args.nproc))
-
-
-if __name__ == "__main__":
-    main()
+    sys.exit(relaunch(__name__, args.nproc, argv))

@@ -15,8 +15,8 @@ its start included).
   ranks are stragglers (ground truth checked in the command's JSON). Then
   ``syncless stragglers RUN`` as a process, median of ``--repeats``.
 
-    python bench/stragglers.py
-    python bench/stragglers.py --ranks 64 --reports 5 --no-append   # a smoke test
+    python -m bench.profile stragglers
+    python -m bench.profile stragglers --ranks 64 --reports 5 --no-append   # a smoke test
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import statistics
 import subprocess
 import tempfile
@@ -31,15 +32,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-from results import append_result, syncless_argv  # bench/ is on sys.path as a script
 
+from bench.harness import append_result, syncless_argv
 from syncless.profile.stragglers import (
     Fleet,
     StepTimes,
     StragglerDetector,
     fleet,
 )
-from syncless.profile.summary import RankSummary, SectionTotals
+from syncless.profile.summary import RankSummary, SectionTotals, StepMedians
 from syncless.run import ParquetSink, RankInfo, Run
 from syncless.run.compact import compact_run
 from syncless.run.records import StepRecords
@@ -81,8 +82,11 @@ def time_scoring(ranks: int, count: int, repeats: int) -> dict[str, float]:
     summaries = []
     for rank in range(ranks):
         secs = {n: SectionTotals(n, "compute", "section", None, 1e6 * STEPS, STEPS) for n in names}
-        medians = {n: 1e6 for n in names}
-        summaries.append(RankSummary(rank, STEPS, 5e7 * STEPS, 0.0, 0, secs, step_medians=medians))
+        medians = StepMedians.of(tuple(names), np.full(len(names), 1e6))
+        summaries.append(RankSummary(rank, STEPS, 5e7 * STEPS, 0.0, 0, secs, step_medians=medians,
+                                     host=f"node-{rank // 8:04d}", device=f"cuda:{rank % 8}"))  # fmt: skip
+    # As the gather delivers them: each rank's object unpickled on its own.
+    summaries = [pickle.loads(pickle.dumps(s)) for s in summaries]
     build, build_cpu = [], []
     for _ in range(max(5, repeats // 10)):
         start, start_cpu = time.perf_counter(), time.thread_time()
@@ -170,7 +174,7 @@ def check(verdicts: list[dict], ranks: int, reports: int) -> list[str]:
     return [] if got == want else [f"verdicts {got} != {want}"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--sections", type=int, default=50)
@@ -179,7 +183,7 @@ def main() -> None:
     parser.add_argument("--reads", type=int, default=5, help="syncless stragglers runs")
     parser.add_argument("--no-run", action="store_true", help="time the scoring only")
     parser.add_argument("--no-append", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     load = os.getloadavg()[0]
     timing = time_scoring(args.ranks, args.sections, args.repeats)
     print(f"scoring {args.ranks} x {args.sections}: update {timing['update_ms']:.2f} ms wall, "
@@ -227,7 +231,3 @@ def read_part(args: argparse.Namespace) -> str:
         f"section and report), {len(verdicts)} verdicts"
         + (f"; PROBLEMS: {problems}" if problems else " as written")
     )
-
-
-if __name__ == "__main__":
-    main()

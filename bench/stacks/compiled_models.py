@@ -1,15 +1,15 @@
 """torch.compile and the monitor stack: does the compiled step keep its speed-up within
 the stack's budget? (issue #20)
 
-Per model, in one process, three modes in interleaved segments (bench/segments.py):
+Per model, in one process, three modes in interleaved segments (bench/stacks/segments.py):
 ``eager-off`` (the plain step), ``compiled-off`` (the same model compiled) and
 ``compiled-stack`` (compiled, with every monitor attached at budget 0.01, as in
-bench/real_models.py). The speed-up is eager over compiled per round; the stack's
+bench/stacks/real_models.py). The speed-up is eager over compiled per round; the stack's
 overhead is compiled-stack over compiled-off. Dynamo's counters are read around every
 step: compiles and graph breaks in timed steps are reported, and should be 0.
 
-    python bench/compiled_models.py                     # 3 models, on one H200
-    python bench/compiled_models.py --tiny --no-append  # a CPU smoke test (aot_eager)
+    python -m bench.stacks compiled_models                     # 3 models, on one H200
+    python -m bench.stacks compiled_models --tiny --no-append  # a CPU smoke test (aot_eager)
 
 The default compiles each decoder layer (``layer.compile()``), as torchtitan does:
 the layers share one graph (two with the stack's hooks), so compile time does not grow
@@ -49,8 +49,11 @@ from typing import Any
 
 import torch
 import transformers
-from dynamo_counts import LIMIT_HITS, ZERO, DynamoCounts
-from hf_models import (
+from torch._dynamo.utils import counters
+
+from bench.harness import Rounds, append_result, round_ratios, spread
+from bench.stacks.dynamo_counts import LIMIT_HITS, ZERO, DynamoCounts
+from bench.stacks.hf_models import (
     ModelSpec,
     bench_device,
     build_workload,
@@ -61,20 +64,16 @@ from hf_models import (
     tiny,
     write_json,
 )
-from results import append_result  # bench/ is on sys.path as a script
-from segments import (
+from bench.stacks.segments import (
     ModelState,
-    Rounds,
     Segment,
     measure,
     open_stack,
-    round_ratios,
     run_segment,
     stack_label,
     stack_note,
     verdict,
 )
-from torch._dynamo.utils import counters
 
 MODES = ("eager-off", "compiled-off", "compiled-stack")
 LAYER = "monitors/layer_"  # the per-layer metrics, recorded by hooks in the compiled graphs
@@ -168,13 +167,6 @@ def layer_check(state: CompiledState) -> str:
     )
     missing = missing_metrics(state)
     return text + (f", missing under compile: {', '.join(missing[:4])}" if missing else "")
-
-
-def spread(values: list[float], scale: float = 100.0, unit: str = "%", sign: str = "+") -> str:
-    """``median [min..max] (n)``."""
-    med, lo, hi = (f"{v * scale:{sign}.2f}" for v in (statistics.median(values), min(values),
-                                                     max(values)))  # fmt: skip
-    return f"{med}{unit} [{lo}..{hi}] ({len(values)})"
 
 
 def without_recompiles(state: CompiledState, rounds: Rounds, mode: str) -> Rounds:
@@ -278,7 +270,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, device, deadline: float
             "counts": counts, **summary}  # fmt: skip
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     names = list(model_specs())
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma list of {names}")
@@ -303,7 +295,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-seconds", type=float, default=480.0, help="the whole run's")
     parser.add_argument("--json", help="write raw step times and counts here")
     parser.add_argument("--no-append", action="store_true", help="skip bench/RESULTS.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     defaults = {"rounds": 2, "seg": 3, "stack_seg": 6, "backend": "aot_eager"} if args.tiny else {
         "rounds": 4, "seg": 6, "stack_seg": 20, "backend": "inductor"
     }  # fmt: skip
@@ -317,9 +309,9 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
-    args = parse_args()
+    args = parse_args(argv)
     # The segments attach to models that ran compiled: their hooks must fail the guards
     # of the graphs traced without them (see the module docstring).
     torch._dynamo.config.skip_nnmodule_hook_guards = False
@@ -362,7 +354,3 @@ def append(results: dict[str, Any], args: argparse.Namespace, use_cuda: bool) ->
             f"ratios, median [min..max] (rounds), segments {args.seg} steps (stack {args.stack_seg}) after {args.warmup} untimed "
             f"(stack {args.stack_warmup}): {rows}" + "".join(f"; {n}" for n in entry["notes"]),
         )
-
-
-if __name__ == "__main__":
-    main()

@@ -12,8 +12,8 @@ GPU-bound one. In one process per model and shape, in interleaved rounds:
   own, against the graph captured without syncless (target: at most +1%);
 - ``alarm``: the nonfinite monitor alone, likewise (target: at most +0.3%).
 
-    PYTHONPATH=.wheels/site:.:bench python bench/cuda_graphs.py   # one H100/H200, ~7 min
-    python bench/cuda_graphs.py --smoke     # CPU: tiny shapes, StandInGraph, no append
+    PYTHONPATH=.wheels/site:. python -m bench.stacks cuda_graphs   # one H100/H200, ~7 min
+    python -m bench.stacks cuda_graphs --smoke     # CPU: tiny shapes, StandInGraph, no append
 
 The GPU image has no torchtitan. .wheels/site (git-ignored) holds torchtitan 0.3.0 and
 what its model classes import, unpacked from pure-Python wheels: ``pip download
@@ -33,10 +33,13 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
-from hf_models import (
+
+from bench.harness import Rounds, append_result, interleave, round_overheads, round_ratios, spread
+from bench.stacks.hf_models import (
     H200_BF16_PEAK,
     ModelSpec,
     Workload,
@@ -49,13 +52,11 @@ from hf_models import (
     throughput,
     write_json,
 )
-from hf_models import tiny as tiny_hf
-from results import append_result
-from segments import Rounds, round_overheads, round_ratios, verdict
-from stack_models import TITAN_LLAMA, TITAN_MOE, build_titan
-from stack_models import tiny as tiny_titan
-from titan_models import without_fsdp_helpers
-
+from bench.stacks.hf_models import tiny as tiny_hf
+from bench.stacks.segments import verdict
+from bench.stacks.stack_models import TITAN_LLAMA, TITAN_MOE, build_titan
+from bench.stacks.stack_models import tiny as tiny_titan
+from bench.stacks.titan_models import without_fsdp_helpers
 from syncless.graphs import StandInGraph
 from syncless.monitors import MonitorHandle, attach, build
 from syncless.run.records import StepRecords
@@ -81,7 +82,7 @@ class Case:
 
 
 def build_hf(spec: ModelSpec, device: torch.device) -> Workload:
-    """bench/hf_models' model, its attention SDPA with ``is_causal`` under a name that
+    """bench/stacks/hf_models' model, its attention SDPA with ``is_causal`` under a name that
     transformers builds no mask for.
 
     With ``"sdpa"``, transformers 5.24 checks ``position_ids`` for packed sequences in
@@ -360,30 +361,22 @@ def steps_for(step_s: float, seconds: float, minimum: int) -> int:
     return max(minimum, min(1000, round(seconds / max(step_s, 1e-6))))
 
 
-def interleave(loop: TrainLoop, modes: list[str], lengths: dict[str, tuple[int, int]],
-               rounds: int, deadline: float) -> Rounds:  # fmt: skip
+def segment_rounds(loop: TrainLoop, modes: list[str], lengths: dict[str, tuple[int, int]],
+                   rounds: int, deadline: float) -> Rounds:  # fmt: skip
     """Rounds of one segment per mode, in an order rotated by the round; stops before a
     round that would end past ``deadline`` (one round always runs)."""
-    done: Rounds = []
-    last_round_s = 0.0
+
+    def progress(r: int, times: dict[str, list[float]], seconds: float) -> None:
+        means = ", ".join(f"{m} {statistics.fmean(times[m]) * 1e3:.2f} ms" for m in modes)
+        print(f"  round {r}: {seconds:.1f} s; {means}", flush=True)
+
+    contestants = {mode: partial(loop.segment, mode, *lengths[mode]) for mode in modes}
     gc.collect()
     gc.freeze()  # the model's objects leave the collector's generations
     try:
-        for r in range(rounds):
-            if done and time.perf_counter() + last_round_s > deadline:
-                print(f"  time is up after {len(done)} round(s)")
-                break
-            start = time.perf_counter()
-            times = {}
-            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-                times[mode] = loop.segment(mode, *lengths[mode])
-            done.append(times)
-            last_round_s = time.perf_counter() - start
-            means = ", ".join(f"{m} {statistics.fmean(times[m]) * 1e3:.2f} ms" for m in modes)
-            print(f"  round {r}: {last_round_s:.1f} s; {means}", flush=True)
+        return interleave(contestants, rounds, deadline=deadline, after_round=progress)
     finally:
         gc.unfreeze()
-    return done
 
 
 def phase_graphs(loop: TrainLoop, args: argparse.Namespace, deadline: float,
@@ -392,7 +385,7 @@ def phase_graphs(loop: TrainLoop, args: argparse.Namespace, deadline: float,
     n = steps_for(step_s["eager"], args.seg_seconds, args.min_seg)
     lengths = {"eager": (args.warmup, n), "off": (args.warmup, n)}
     print(f"  graphs: eager vs off, {n} timed steps per segment", flush=True)
-    rounds = interleave(loop, ["eager", "off"], lengths, args.rounds, deadline)
+    rounds = segment_rounds(loop, ["eager", "off"], lengths, args.rounds, deadline)
     return {"rounds": rounds, "speedups": round_ratios(rounds, "eager", "off"), "steps": n}
 
 
@@ -414,7 +407,7 @@ def phase_monitored(mode: str, loop: TrainLoop, args: argparse.Namespace, deadli
               + memory_text(work.device), flush=True)  # fmt: skip
         n = steps_for(step_s["off"], args.stack_seg_seconds, args.stack_min_seg)
         lengths = {"off": (args.warmup, n), mode: (args.stack_warmup, n)}
-        rounds = interleave(loop, ["off", mode], lengths, args.rounds, deadline)
+        rounds = segment_rounds(loop, ["off", mode], lengths, args.rounds, deadline)
         out = {
             "rounds": rounds,
             "overheads": round_overheads(rounds, mode, "off"),
@@ -493,14 +486,6 @@ def first_line(error: BaseException) -> str:
     return (str(error).splitlines() or [""])[0][:160]
 
 
-def spread(values: list[float], percent: bool = True) -> str:
-    """Median [min..max] (n) of per-round figures."""
-    med, lo, hi = statistics.median(values), min(values), max(values)
-    if percent:
-        return f"{med * 100:+.2f}% [{lo * 100:+.2f}..{hi * 100:+.2f}] ({len(values)})"
-    return f"{med:.2f}x [{lo:.2f}..{hi:.2f}] ({len(values)})"
-
-
 def summarize(case: Case, entry: dict[str, Any], work: Workload, matmul: float | None,
               args: argparse.Namespace) -> str:  # fmt: skip
     """Print the case's figures; return its RESULTS.md line."""
@@ -571,7 +556,7 @@ def graphs_text(entry: dict[str, Any], work: Workload, matmul: float | None) -> 
     off_s = statistics.median(entry["initial_off_s"] + _steps(rounds, "off"))
     tokens = work.spec.batch * work.spec.seq_len
     text = (
-        f"graphs buy {spread(entry['phases']['graphs']['speedups'], percent=False)} (eager "
+        f"graphs buy {spread(entry['phases']['graphs']['speedups'], 1.0, 'x', '')} (eager "
         f"{eager_s * 1e3:.1f} -> graphed {off_s * 1e3:.1f} ms/step, "
         f"{tokens / eager_s / 1e3:.1f}k -> {tokens / off_s / 1e3:.1f}k tokens/s"
     )
@@ -589,7 +574,7 @@ def _steps(rounds: Rounds, mode: str) -> list[float]:
     return [t for times in rounds for t in times.get(mode, [])]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     keys = list(cases(smoke=False))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", help=f"comma list of {keys} (default: all)")
@@ -622,7 +607,7 @@ def parse_args() -> argparse.Namespace:
                         help="CPU, tiny shapes, StandInGraph, few steps, no append")  # fmt: skip
     parser.add_argument("--json", help="write raw step times and estimates here")
     parser.add_argument("--no-append", action="store_true", help="skip bench/RESULTS.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.cases = args.cases.split(",") if args.cases else list(cases(args.smoke))
     args.phases = args.phases.split(",")
     if set(args.phases) - set(PHASES):
@@ -635,10 +620,10 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # progress, live
-    args = parse_args()
+    args = parse_args(argv)
     args.end_by = start + args.max_seconds
     if args.smoke:  # tiny steps gain nothing from threads, and on a busy CPU a parallel
         torch.set_num_threads(1)  # region waiting for a descheduled thread took seconds
@@ -678,7 +663,3 @@ def main() -> None:
             write_json(args.json, matmul, args, results)
         print(f"  {case.key}: done at {time.perf_counter() - start:.0f} s", flush=True)
     print(f"\n{len(lines)} of {len(chosen)} cases measured in {time.perf_counter() - start:.0f} s")
-
-
-if __name__ == "__main__":
-    main()

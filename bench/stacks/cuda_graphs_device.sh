@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue #45 in one device call: the CUDA tests of syncless inside CUDA graphs, then
-# bench/cuda_graphs.py (what graphs buy; the stack and the alarm inside graphs).
+# bench/stacks/cuda_graphs.py (what graphs buy; the stack and the alarm inside graphs).
 #
 # Before the call, on the development machine (the device image has no torchtitan and
-# no network): the wheels bench/cuda_graphs.py's docstring lists, unpacked into
+# no network): the wheels bench/stacks/cuda_graphs.py's docstring lists, unpacked into
 # .wheels/site (git-ignored), e.g.
 #   pip download --no-deps --python-version 3.12 --only-binary=:all: -d .wheels \
 #       torchtitan==0.3.0 tyro==1.0.17 docstring_parser==0.18.0 spmd_types==0.2.3 typeguard==4.6.1
@@ -11,13 +11,13 @@
 #   pip download --no-deps --python-version 3.12 --only-binary=:all: \
 #       --platform manylinux_2_27_x86_64 -d .wheels duckdb==2.0.1   # installed, not unpacked
 # The call (device tool): carry [".wheels"], about 9.5 minutes:
-#   SYNCLESS_COMMIT=<sha> bash bench/cuda_graphs_device.sh 200 --max-seconds 50 --rounds 3
-# Arguments: the seconds the tests may take, then bench/cuda_graphs.py's arguments for
+#   SYNCLESS_COMMIT=<sha> bash bench/stacks/cuda_graphs_device.sh 200 --max-seconds 50 --rounds 3
+# Arguments: the seconds the tests may take, then bench/stacks/cuda_graphs.py's arguments for
 # each case (none: no bench; --max-seconds is per case); CASES= picks the cases, TESTS=
 # the test files. Logs, the RESULTS lines and the raw JSON land in $OUT; append the lines to
 # bench/RESULTS.md here.
 set -o pipefail
-export PYTHONPATH=$PWD/.wheels/site:$PWD:$PWD/bench PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/.wheels/site:$PWD PYTHONUNBUFFERED=1
 export SYNCLESS_COMMIT=${SYNCLESS_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -45,7 +45,7 @@ echo "tests took $(($(date +%s) - start)) s"
 if [ "$#" -gt 0 ]; then
   for case in ${CASES:-torchtitan-moe:B1xL1024 torchtitan-llama3:B4xL2048 llama-1b:B4xL2048 \
     torchtitan-llama3:B1xL1024 llama-1b:B1xL1024 torchtitan-moe:B4xL4096}; do
-    SYNCLESS_RESULTS=$OUT/results.md python bench/cuda_graphs.py --cases "$case" \
+    SYNCLESS_RESULTS=$OUT/results.md python -m bench.stacks cuda_graphs --cases "$case" \
       --json "$OUT/bench-${case//:/-}.json" "$@" 2>&1 | tee -a "$OUT/bench.log" | tail -c 1500
   done
 fi

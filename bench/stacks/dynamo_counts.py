@@ -1,5 +1,5 @@
 """Dynamo's compiles, graph breaks and recompile-limit hits over some steps, for
-bench/compiled_models.py: a compiled step that recompiles or runs eagerly past the
+bench/stacks/compiled_models.py: a compiled step that recompiles or runs eagerly past the
 limit measures something else than the compiled step."""
 
 from __future__ import annotations

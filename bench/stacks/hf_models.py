@@ -1,5 +1,6 @@
-"""Hugging Face model shapes for bench/real_models.py and bench/compiled_models.py, built
-from configs on the device.
+"""Hugging Face model shapes for bench/stacks/real_models.py and
+bench/stacks/compiled_models.py (and the capture and monitors cases that train a real
+shape), built from configs on the device.
 
 Random weights, no download. ``model_specs`` names the shapes; ``build_workload`` makes
 the model, a fused AdamW and one fixed batch, and counts the FLOPs of a training step;
@@ -238,7 +239,7 @@ class Workload:
     experts: str
     build_s: float
     loss: Callable[[], torch.Tensor] | None = None
-    """The step's loss, for models that are not Hugging Face's (bench/stack_models.py)."""
+    """The step's loss, for models that are not Hugging Face's (bench/stacks/stack_models.py)."""
     checked: dict[str, torch.Tensor] = field(default_factory=dict)
     """The last step's loss and gradient norm as device tensors: what a loop hands to
     ``handle.step(step, loss=, grad_norm=)`` (the nonfinite alarm checks them)."""

@@ -7,16 +7,17 @@
    ``param_norm`` and ``grad_norm`` per layer against the model's own bf16 parameters
    and ``main_grad`` buffers.
 
-    python bench/megatron_check.py
+    python -m bench.stacks megatron_check
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 
 import torch
-from stack_models import MEGATRON, build_megatron
 
+from bench.stacks.stack_models import MEGATRON, build_megatron
 from syncless.monitors import attach, build
 from syncless.monitors.adapters import find_layers
 
@@ -117,6 +118,7 @@ def check_distributed_optimizer() -> None:
         assert p_err < 1e-5 and g_err < 1e-5, (p_err, g_err)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     check_attention()
     check_distributed_optimizer()

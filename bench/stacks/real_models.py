@@ -1,6 +1,6 @@
 """Step-time overhead of syncless on GPU-bound training steps of real model shapes.
 
-The demo's train step (bench/train_step.py) is host-bound: the device idles between
+The demo's train step (bench/demo/train_step.py) is host-bound: the device idles between
 its kernels, so device work a monitor adds can hide there. Real shapes keep the device
 busy, which makes these numbers the primary evidence for overhead claims. Each model
 is a Hugging Face model built from its config (random weights, sdpa attention, bf16
@@ -10,14 +10,14 @@ Measured per model, in one process: the monitor stack with its overhead budget, 
 monitor alone at every step, the nonfinite alarm alone as the stack runs it (``alarm``:
 checked every step, read at the budget's cadence), the section profiler, and a
 naive-hook baseline
-(bench/naive_monitors.py), against ``off``. Modes run in segments, interleaved A/B: in
+(bench/monitors/naive.py), against ``off``. Modes run in segments, interleaved A/B: in
 each round every mode runs one segment, in an order rotated by the round. A mode's
 overhead in a round is its mean step time over the ``off`` segment's of that round;
 the table gives the median over rounds and their spread. Shapes and the training
-step: bench/hf_models.py; the segments: bench/segments.py.
+step: bench/stacks/hf_models.py; the segments: bench/stacks/segments.py.
 
-    python bench/real_models.py                     # all models, on one H200
-    python bench/real_models.py --tiny --no-append  # a CPU smoke test
+    python -m bench.stacks real_models                     # all models, on one H200
+    python -m bench.stacks real_models --tiny --no-append  # a CPU smoke test
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ from functools import partial
 from typing import Any
 
 import transformers
-from hf_models import (
+
+from bench.harness import append_result, round_overheads, spread
+from bench.monitors.naive import NaiveMonitors
+from bench.stacks.hf_models import (
     ModelSpec,
     Workload,
     bench_device,
@@ -48,9 +51,7 @@ from hf_models import (
     train_step,
     write_json,
 )
-from naive_monitors import NaiveMonitors  # bench/ is on sys.path as a script
-from results import append_result
-from segments import (
+from bench.stacks.segments import (
     ModelState,
     Segment,
     attach_kwargs,
@@ -58,13 +59,11 @@ from segments import (
     monitor_step,
     open_kept,
     open_stack,
-    round_overheads,
     run_segment,
     stack_label,
     stack_note,
     verdict,
 )
-
 from syncless.monitors import MONITORS, attach, build
 from syncless.monitors.adapters import find_layers
 from syncless.profile import Profiler
@@ -151,7 +150,7 @@ def summarize(
             continue
         label = stack_label(state.budget) if mode == "stack" else mode
         med, lo, hi = statistics.median(est), min(est), max(est)
-        rows[label] = f"{med * 100:+.2f}% [{lo * 100:+.2f}..{hi * 100:+.2f}] ({len(est)})"
+        rows[label] = spread(est)
         if mode == "stack":
             rows[label] += f" ({verdict(est, state.budget)})"
         print(f"  {label:<40}{med * 100:>+8.2f}%{lo * 100:>+10.2f}..{hi * 100:+.2f}%{len(est):>8}")
@@ -218,7 +217,7 @@ def run_model(
     }
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     names = list(model_specs())
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     default_models = [n for n in names if n != "demo-large"]  # the demo: on request
@@ -244,7 +243,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-seconds", type=float, default=540.0)
     parser.add_argument("--json", help="write raw step times and estimates here")
     parser.add_argument("--no-append", action="store_true", help="skip bench/RESULTS.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     defaults = {"rounds": 2, "seg": 3, "stack_seg": 6} if args.tiny else {
         "rounds": 4, "seg": 6, "stack_seg": 20
     }  # fmt: skip
@@ -258,9 +257,9 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
-    args = parse_args()
+    args = parse_args(argv)
     specs = model_specs(args.layers8b)
     unknown = [m for m in args.models if m not in specs]
     if unknown:
@@ -301,7 +300,3 @@ def main() -> None:
             f"segments {args.seg} steps (stack {args.stack_seg}) after {args.warmup} untimed "
             f"(stack {args.stack_warmup}): {rows}" + "".join(f"; {n}" for n in entry["notes"]),
         )
-
-
-if __name__ == "__main__":
-    main()

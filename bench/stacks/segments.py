@@ -1,5 +1,5 @@
-"""Interleaved A/B segments of training steps, for bench/real_models.py and
-bench/compiled_models.py.
+"""Interleaved A/B segments of training steps, for bench/stacks/real_models.py,
+bench/stacks/compiled_models.py and bench/capture/load.py.
 
 Modes run in segments. In each round every mode runs one segment, in an order rotated
 by the round. A mode's ratio in a round is its mean step time over the reference
@@ -19,17 +19,14 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from hf_models import Workload, free_memory, train_step
-
+from bench.harness import Rounds, interleave, round_overheads
+from bench.stacks.hf_models import Workload, free_memory, train_step
 from syncless.monitors import MONITORS, attach, build
 from syncless.profile import OFF
 
 HAS_BUDGET = "budget" in inspect.signature(attach).parameters
 # handle.step(step, loss=, grad_norm=): the nonfinite alarm's every-step checks (#35)
 HAS_CHECKS = "on_nonfinite" in inspect.signature(attach).parameters
-
-Rounds = list[dict[str, list[float]]]
-"""Per round: each mode's wall seconds per timed step."""
 
 
 @dataclass
@@ -170,19 +167,6 @@ def run_segment(
     return times
 
 
-def round_ratios(rounds: Rounds, mode: str, reference: str = "off") -> list[float]:
-    """Per round: mean step of ``mode`` over the mean ``reference`` step of that round."""
-    out = []
-    for times in rounds:
-        if times.get(mode) and times.get(reference):
-            out.append(statistics.fmean(times[mode]) / statistics.fmean(times[reference]))
-    return out
-
-
-def round_overheads(rounds: Rounds, mode: str, reference: str = "off") -> list[float]:
-    return [r - 1 for r in round_ratios(rounds, mode, reference)]
-
-
 def measure(
     state: ModelState,
     modes: list[str],
@@ -192,41 +176,39 @@ def measure(
     deadline: float,
     reference: str = "off",
 ) -> tuple[Rounds, dict[str, str]]:
-    """The interleaved rounds; stops before a round that would end past ``deadline``.
+    """The interleaved rounds (``bench.harness.interleave``, the order rotating); stops
+    before a round that would end past ``deadline``.
 
     ``lengths(mode)`` is a segment's untimed warm-up steps and timed steps. Returns the
     rounds and the modes that failed, with their exception's name.
     """
-    done: Rounds = []
     failed: dict[str, str] = {}
-    last_round_s = 0.0
-    for r in range(rounds):
-        if done and time.perf_counter() + last_round_s > deadline:
-            print(f"  time is up after {len(done)} round(s)")
-            break
-        start = time.perf_counter()
-        times: dict[str, list[float]] = {}
-        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-            if mode in failed:
-                continue
-            warmup, steps = lengths(mode)
-            try:
-                times[mode] = run_segment(mode, state, warmup, steps, open_segment)
-            except Exception as e:  # one mode failing (OOM) must not end the model
-                traceback.print_exc()
-                failed[mode] = type(e).__name__
-            if mode in failed:  # out of the except block: its frames hold device memory
-                state.work.optimizer.zero_grad(set_to_none=True)
-                free_memory()
-        done.append(times)
-        last_round_s = time.perf_counter() - start
+
+    def segment(mode: str) -> list[float] | None:
+        if mode in failed:
+            return None
+        warmup, steps = lengths(mode)
+        try:
+            return run_segment(mode, state, warmup, steps, open_segment)
+        except Exception as e:  # one mode failing (OOM) must not end the model
+            traceback.print_exc()
+            failed[mode] = type(e).__name__
+        # out of the except block: its frames hold device memory
+        state.work.optimizer.zero_grad(set_to_none=True)
+        free_memory()
+        return None
+
+    def progress(r: int, times: dict[str, list[float]], seconds: float) -> None:
         line = ", ".join(
             f"{m} {o * 100:+.2f}%"
             for m in modes
             if m != reference
             for o in round_overheads([times], m, reference)
         )
-        print(f"  round {r}: {last_round_s:.0f} s; {line}")
+        print(f"  round {r}: {seconds:.0f} s; {line}")
+
+    contestants = {mode: partial(segment, mode) for mode in modes}
+    done = interleave(contestants, rounds, deadline=deadline, after_round=progress)
     if state.stack is not None:
         state.stack.close()
     for handle in state.kept.values():

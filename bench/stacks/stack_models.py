@@ -1,7 +1,7 @@
 """Step-time overhead of syncless inside the seed users' own stacks: a Megatron-core
 GPT-MoE and torchtitan's llama3 and MoE models, at GPU-bound sizes on one H200.
 
-Measured as bench/real_models.py measures the Hugging Face models (its interleaved
+Measured as bench/stacks/real_models.py measures the Hugging Face models (its interleaved
 segments, its ``off`` / ``stack`` / ``profile`` modes, its table and RESULTS.md line);
 only the models differ. Random weights, no download, one fixed batch.
 
@@ -12,8 +12,8 @@ only the models differ. Random weights, no download, one fixed batch.
 - ``torchtitan-llama3`` / ``torchtitan-moe``: torchtitan's model classes built from
   their config dataclasses, SDPA attention, bf16 autocast over fp32 parameters.
 
-    python bench/stack_models.py                      # on one H200
-    python bench/stack_models.py --tiny --no-append   # a CPU smoke test (small shapes)
+    python -m bench.stacks stack_models                      # on one H200
+    python -m bench.stacks stack_models --tiny --no-append   # a CPU smoke test (small shapes)
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hf_models import (
+
+from bench.harness import append_result
+from bench.stacks.hf_models import (
     ModelSpec,
     Workload,
     bench_device,
@@ -36,9 +38,8 @@ from hf_models import (
     step_flops,
     write_json,
 )
-from real_models import run_model
-from results import append_result
-from segments import stack_label
+from bench.stacks.real_models import run_model
+from bench.stacks.segments import stack_label
 
 MEGATRON = ModelSpec(name="megatron-gpt-moe", family="megatron", hidden=1024, heads=16,
                      kv_heads=4, head_dim=64, intermediate=2816, layers=16, batch=8,
@@ -146,7 +147,7 @@ def build_megatron(spec: ModelSpec, device: torch.device) -> Workload:
 def build_titan(spec: ModelSpec, device: torch.device) -> Workload:
     """torchtitan's llama3, or its MoE model (qwen3's MoE config), from config
     dataclasses (no download), SDPA attention."""
-    from titan_models import build_titan_model
+    from bench.stacks.titan_models import build_titan_model
 
     start = time.perf_counter()
     model = build_titan_model(spec, device)
@@ -168,7 +169,7 @@ def build_titan(spec: ModelSpec, device: torch.device) -> Workload:
 BUILDERS = {"megatron": build_megatron, "titan-llama3": build_titan, "titan-moe": build_titan}
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(SPECS), help=f"comma list of {list(SPECS)}")
     parser.add_argument("--modes", default="off,stack,profile", help="comma list, with off")
@@ -182,17 +183,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-seconds", type=float, default=480.0)
     parser.add_argument("--json", help="write raw step times and estimates here")
     parser.add_argument("--no-append", action="store_true", help="skip bench/RESULTS.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.models, args.modes = args.models.split(","), args.modes.split(",")
     if args.tiny:
         args.rounds, args.seg, args.stack_seg, args.stack_warmup = 2, 2, 3, 2
     return args
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     start = time.perf_counter()
-    args = parse_args()
+    args = parse_args(argv)
     device, matmul = bench_device(args.tiny)
     print(f"{device.type}, {stack_label(args.budget)}, {args.rounds} rounds")
     results: dict[str, Any] = {}
@@ -224,7 +225,3 @@ def main() -> None:
             f"{args.warmup} untimed (stack {args.stack_warmup}): {rows}"
             + "".join(f"; {n}" for n in entry["notes"]),
         )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Where the monitor stack's cost goes on a GPU-bound step: device time per kernel, on
 and off (issue 19).
 
-bench/real_models.py measures the stack's overhead as a ratio of step times; on
+bench/stacks/real_models.py measures the stack's overhead as a ratio of step times; on
 Mixtral it measured about 0.4% of the step more than the budget's own estimate of
 itself. This profiles ``--steps`` steps with the stack (one handle, its budget settled
 over ``--warmup`` steps, so the steps cover its cadences) and as many with the handle
@@ -9,7 +9,7 @@ paused, alternating blocks so drift hits both, and prints per kernel the device 
 per step on and off, largest difference first, with the total against the stack's own
 ``monitors/self/*`` estimate and the step's wall time.
 
-    python bench/stack_profile.py --model mixtral
+    python -m bench.stacks stack_profile --model mixtral
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import time
 from collections import defaultdict
 
 import torch
-from hf_models import build_workload, model_specs, train_step
-from results import append_result
-from segments import attach_kwargs, monitor_step
 from torch.profiler import ProfilerActivity, profile
 
+from bench.harness import append_result
+from bench.stacks.hf_models import build_workload, model_specs, train_step
+from bench.stacks.segments import attach_kwargs, monitor_step
 from syncless.monitors import attach, build
 
 
@@ -48,7 +48,7 @@ def run_steps(work, handle, step: int, steps: int, walls: list[float]) -> int:
     return step
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="mixtral")
     parser.add_argument("--warmup", type=int, default=60)
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--monitors", default="all", help="all, or a comma list")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--no-append", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     work = build_workload(model_specs()[args.model], torch.device("cuda"))
     handle = attach(
@@ -110,7 +110,3 @@ def main() -> None:
     print(line)
     if not args.no_append:
         append_result("stack_profile", line)
-
-
-if __name__ == "__main__":
-    main()

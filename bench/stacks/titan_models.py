@@ -1,13 +1,15 @@
-"""torchtitan 0.3 models for bench/stack_models.py, built from their config dataclasses
-on the device (random weights, no download), with SDPA attention in every layer."""
+"""torchtitan 0.3 models for bench/stacks/stack_models.py, built from their config
+dataclasses on the device (random weights, no download), with SDPA attention in every
+layer."""
 
 from __future__ import annotations
 
 from functools import partial
 
 import torch
-from hf_models import ModelSpec
 from torch import nn
+
+from bench.stacks.hf_models import ModelSpec
 
 
 def without_fsdp_helpers() -> None:

@@ -13,8 +13,8 @@ after round, so a passing load weighs on both sides of each ratio. Medians of
 
 ``tests/run/test_cli_startup.py`` checks the imports behind these; this times them.
 
-    python bench/cli_startup.py
-    python bench/cli_startup.py --repeat 5 --no-append     # a smoke test
+    python -m bench.store cli_startup
+    python -m bench.store cli_startup --repeat 5 --no-append     # a smoke test
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
-from results import append_result, syncless_argv  # bench/ is on sys.path as a script
+from bench.harness import append_result, by_name, interleave, syncless_argv
 
 HELP_GOAL_S, QUERY_RATIO_GOAL = 0.15, 1.5
 COUNT = "SELECT count(*) FROM metrics"
@@ -36,35 +37,37 @@ BARE = "import duckdb, sys; print(duckdb.sql(sys.argv[1]).fetchall()[0][0])"
 
 
 def make_run(run_dir: Path, ranks: int) -> None:
-    """A compacted run of ``ranks`` ranks: bench/store_scale.py's writer (20 flushes of 10
+    """A compacted run of ``ranks`` ranks: bench/store/scale.py's writer (20 flushes of 10
     steps x 64 metrics a rank), then ``syncless compact``."""
-    from store_scale import write_run
-
+    from bench.store.scale import write_run
     from syncless.run.compact import compact_run
 
     write_run(run_dir, ranks, flushes=20, steps=10, metrics=64)
     compact_run(run_dir)
 
 
+def wall_s(name: str, argv: list[str]) -> float:
+    """Wall seconds of one fresh process of ``argv``."""
+    start = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True)
+    took = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed: {done.stderr[-2000:]}")
+    return took
+
+
 def rounds(commands: dict[str, list[str]], repeat: int) -> dict[str, list[float]]:
     """Every command once per round, in turn; wall seconds by command."""
-    times: dict[str, list[float]] = {name: [] for name in commands}
-    for _ in range(repeat):
-        for name, argv in commands.items():
-            start = time.perf_counter()
-            done = subprocess.run(argv, capture_output=True, text=True)
-            times[name].append(time.perf_counter() - start)
-            if done.returncode != 0:
-                raise SystemExit(f"{name} failed: {done.stderr[-2000:]}")
-    return times
+    runs = {name: partial(wall_s, name, argv) for name, argv in commands.items()}
+    return by_name(interleave(runs, repeat, rotate=False))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--ranks", type=int, default=64)
     parser.add_argument("--no-append", action="store_true", help="skip bench/RESULTS.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cli = syncless_argv()
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
@@ -75,7 +78,7 @@ def main() -> None:
             "syncless --help": [*cli, "--help"],
             "bare duckdb": [sys.executable, "-c", BARE, COUNT.replace("metrics", f"read_parquet('{files}')")],
             "syncless query": [*cli, "query", str(run_dir), COUNT, "--format", "csv"],
-            "syncless lint": [*cli, "lint", str(Path(__file__).parents[1] / "syncless" / "cli.py")],
+            "syncless lint": [*cli, "lint", str(Path(__file__).parents[2] / "syncless" / "cli.py")],
         }  # fmt: skip
         load = os.getloadavg()[0]
         times = rounds(commands, args.repeat)
@@ -97,7 +100,3 @@ def main() -> None:
     print(result)
     if not args.no_append:
         print(append_result("cli_startup", result))
-
-
-if __name__ == "__main__":
-    main()

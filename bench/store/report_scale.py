@@ -12,8 +12,8 @@ The report runs as a fresh process (what a user runs, imports included), ``--rep
 times on warm file caches; the median is the result. The run directory is kept
 (``--dir``): a second call reuses it.
 
-    python bench/report_scale.py                          # 64 ranks x 1,000,000 steps
-    python bench/report_scale.py --ranks 4 --steps 20000 --no-append   # a smoke test
+    python -m bench.store report_scale                          # 64 ranks x 1,000,000 steps
+    python -m bench.store report_scale --ranks 4 --steps 20000 --no-append   # a smoke test
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from results import append_result, syncless_argv  # bench/ is on sys.path as a script
 
+from bench.harness import append_result, syncless_argv
 from syncless.run.parquet import SCHEMA
 from syncless.run.rundir import FORMAT, METRICS_DIR
 from syncless.run.shards import shard_name
@@ -96,7 +96,7 @@ def report_s(run_dir: Path, page: Path, repeat: int) -> list[float]:
     return times
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=64)
     parser.add_argument("--steps", type=int, default=1_000_000)
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/syncless-report-scale"))
     parser.add_argument("--no-append", action="store_true", help="skip bench/RESULTS.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     shape = f"r{args.ranks}-s{args.steps}-m{args.metrics}-l{args.layers}-e{args.monitor_every}"
     run_dir = args.dir / shape
     if not run_dir.exists():
@@ -130,7 +130,3 @@ def main() -> None:
     print(result)
     if not args.no_append:
         print(append_result("report_scale", result))
-
-
-if __name__ == "__main__":
-    main()

@@ -29,8 +29,8 @@ metric's series <= 1 s on 1,024 ranks, syncless queries <= 1.5x DuckDB direct,
 summary and report <= 10 s each. Timings are wall clock on a shared host: a ratio
 interleaves its two sides repeat by repeat, so a passing load weighs on both.
 
-    python bench/store_scale.py                                    # 64, 256, 1,024 ranks
-    python bench/store_scale.py --ranks 4,8 --flushes 5 --no-append  # a smoke test
+    python -m bench.store scale                                    # 64, 256, 1,024 ranks
+    python -m bench.store scale --ranks 4,8 --flushes 5 --no-append  # a smoke test
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from typing import Any
 
 import duckdb
 import numpy as np
-from results import append_result, syncless_argv  # bench/ is on sys.path as a script
 
+from bench.harness import append_result, syncless_argv
 from syncless.run import ParquetSink, RankInfo, Run, RunStore, StepRecords
 from syncless.run.rundir import METRICS_DIR, set_first_step
 
@@ -395,7 +395,7 @@ def result_line(r: Result, args: argparse.Namespace) -> str:
     return text
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="64,256,1024", help="comma-separated rank counts")
     parser.add_argument(
@@ -408,7 +408,7 @@ def main() -> None:
     parser.add_argument("--root", type=Path, help="where runs go (default: a new temp dir)")
     parser.add_argument("--keep", action="store_true", help="leave the runs on disk")
     parser.add_argument("--no-append", action="store_true", help="skip bench/RESULTS.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rank_counts = [int(n) for n in args.ranks.split(",")]
     made_root = args.root is None
     root = Path(tempfile.mkdtemp(prefix="store_scale-")) if made_root else args.root
@@ -428,7 +428,3 @@ def main() -> None:
     if not args.no_append:
         for r in results:
             print(append_result("store_scale", result_line(r, args)))
-
-
-if __name__ == "__main__":
-    main()

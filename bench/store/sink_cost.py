@@ -6,7 +6,7 @@ with 6 per-head metrics of 16 heads is 1,536 records a step. TensorBoard is time
 the sink writes (one event per emit) and the naive way (``SummaryWriter.add_scalar``
 per record), wandb offline (one ``log`` row per step).
 
-    python bench/sink_cost.py
+    python -m bench.store sink_cost
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from results import append_result  # bench/ is on sys.path as a script
-
+from bench.harness import append_result
 from syncless.run.records import StepRecords
 
 LAYERS, METRICS, HEADS = 16, 6, 16
@@ -48,11 +47,11 @@ def ms_per_step(consume: Callable[[StepRecords], None], steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--no-append", action="store_true", help="skip bench/RESULTS.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from torch.utils.tensorboard import SummaryWriter
 
     from syncless.run import TensorBoardSink, WandbSink
@@ -84,7 +83,3 @@ def main() -> None:
     print(result)
     if not args.no_append:
         print(append_result("sink_cost", result))
-
-
-if __name__ == "__main__":
-    main()

@@ -5,7 +5,7 @@ steps, 100 names a step (loss, lr, step time, 8 layers of monitors with heads an
 experts, profiler windows every 10 steps, data-plane ops, self costs). The target is
 under 1 s on a 2-core CI host, process start and DuckDB import included.
 
-    python bench/summary_speed.py
+    python -m bench.store summary_speed
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from results import append_result, syncless_argv  # bench/ is on sys.path as a script
-
+from bench.harness import append_result, syncless_argv
 from syncless.run import ParquetSink, StepRecord
 from syncless.run.rundir import METRICS_DIR, write_run_json
 
@@ -66,11 +65,11 @@ def write_run(run_dir: Path) -> int:
     return count
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--no-append", action="store_true", help="skip bench/RESULTS.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cli = syncless_argv()
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
@@ -94,7 +93,3 @@ def main() -> None:
     print(result)
     if not args.no_append:
         print(append_result("summary_speed", result))
-
-
-if __name__ == "__main__":
-    main()

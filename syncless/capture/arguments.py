@@ -43,7 +43,7 @@ def check_capture(
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise ValueError(f"capture({tag!r}): step must be an int or None, got {step!r}")
     # The legacy default stream (0) is never captured (CUDA refuses to), and asking
-    # costs 0.35 us of the H200 host per call (bench/driver_calls.py, b038d84).
+    # costs 0.35 us of the H200 host per call (bench/RESULTS.md, driver_calls at b038d84).
     if stream != 0 and stream_capturing():
         raise RuntimeError(
             f"capture({tag!r}) inside CUDA graph capture: the ring is reserved on the "

@@ -82,7 +82,7 @@ class EngineConfig:
             the page cache's and the drive's parallelism or an object store's parallel
             uploads: on the H200 host, 512 MiB files from pinned memory went into the
             page cache at 2.44 GB/s from one thread and 12.8 GB/s from four, and to
-            disk (synced) at 1.12 and 1.75 GB/s (bench/capture_load.py, 0a153bf).
+            disk (synced) at 1.12 and 1.75 GB/s (bench/capture/load.py, 0a153bf).
         planned_windows: windows copies planned by the drain and launched by
             ``advance_boundary()`` at the OPEN (None, the default: on CUDA, where a
             drain thread that reacts to the OPEN starts late on a host-bound step); on

@@ -271,7 +271,7 @@ class SinkWriter:
         how many shards that is; None before the first. Where the disk's page cache
         takes the first minutes at memory speed, this is the rate it keeps after:
         the average since the start said 7.46 GB/s on an H200 host whose disk took
-        1.1 GB/s by then (bench/capture_soak.py, 2b8154f)."""
+        1.1 GB/s by then (bench/capture/soak.py, 2b8154f)."""
         shards = list(self._recent)
         seconds = sum(s for _, s in shards)
         if not shards or seconds <= 0:

@@ -47,7 +47,7 @@ itself, so every count here is derived from metadata:
     what it buys is a cost set by the item count alone (a large ``bytes`` or ``str`` costs
     the same as a small one, where packb copies every byte) and no output buffer. When
     the caller is about to pack the object anyway, ``len`` of that packed buffer is the
-    cheaper count (``bench/dataplane_histogram.py`` measures both).
+    cheaper count (``bench/dataplane/histogram.py`` measures both).
 
 ``payload_nbytes(value)``
     Dispatch: a tensor, a list/tuple whose items are all tensors (summed), or any other

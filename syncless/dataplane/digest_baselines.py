@@ -1,4 +1,4 @@
-"""Baseline per-row digests for ``bench/dataplane_integrity.py``, not guards.
+"""Baseline per-row digests for ``bench/dataplane/integrity.py``, not guards.
 
 :func:`xor_fold_digests` (``torch.hash_tensor``) and :func:`crc32_digests` (``zlib`` on
 the host) are what the order-aware digest of :mod:`syncless.dataplane.integrity` is

@@ -38,7 +38,7 @@ that stay in cache (multiply, shift, mask, xor, sum), on 8 bytes of the field ea
 1.5-1.8x ``torch.hash_tensor``'s XOR fold on fp32 rows. Other jagged fields read the
 bytes once per group and add per chunk a cumulative sum for positions, a weight gather
 and a cumulative sum for the rows: 5-8x the dense cost for 1-D fp32 rows. Measured
-numbers: ``bench/dataplane_integrity.py`` and ``bench/RESULTS.md``. On an accelerator
+numbers: ``bench/dataplane/integrity.py`` and ``bench/RESULTS.md``. On an accelerator
 the temporaries are a few int64 tensors of at most 2^26 chunks each.
 """
 

@@ -36,7 +36,7 @@ on the device and reads them at flush with everything else. Per step it reports:
   corrupts every single row is rarer than a digest computed on the wrong field or dtype).
 
 :func:`xor_fold_digests` (``torch.hash_tensor``) and :func:`crc32_digests` (``zlib`` on
-the host) are baselines for ``bench/dataplane_integrity.py``, not guards.
+the host) are baselines for ``bench/dataplane/integrity.py``, not guards.
 """
 
 from __future__ import annotations

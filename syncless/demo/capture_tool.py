@@ -8,7 +8,7 @@ block's forward hook: a device-to-device copy into the engine's ring, drained to
 ``--capture-point moe_input`` it is the MoE block's input instead (``layer_XX/moe_input``,
 the normalised residual its router reads), captured in the MoE block's forward-pre-hook:
 right before the router and the token dispatch, the worst place for a D2H copy to
-compete with an all-to-all, and what ``bench/capture_windows.py --point moe_input``
+compete with an all-to-all, and what ``bench/capture/windows.py --point moe_input``
 measures windows against.
 
 ``--capture-windows`` (expert parallel): every all-to-all of the MoE layers is in a
@@ -27,7 +27,7 @@ differ in number would shift the pattern: the demo's steps do not.
 
 Why the counts exchange and its dispatch share a region: the counts exchange moves a
 few bytes, but its NCCL kernel runs, and spins, until the late rank arrives (left
-unbracketed, window copies overlapped it on the H200s, bench/capture_windows.py at
+unbracketed, window copies overlapped it on the H200s, bench/capture/windows.py at
 b8113e6); bracketed on its own, the window between it and the dispatch is the host's
 read of the counts, tens of microseconds on the device timeline, which no captured
 record fits and which a copy issued there could only overrun into the dispatch.

@@ -11,7 +11,7 @@ from typing import Any
 from syncless.errors import UsageError
 
 # Where the expert-parallel dispatch takes its split lists from (docs/pacing.md). The
-# default, auto, is the fastest mode bench/pacing_ep.py measured that is safe for the
+# default, auto, is the fastest mode bench/demo/pacing_ep.py measured that is safe for the
 # router: static-paced for the fixed router (-13.3% step time against the drain on two
 # H200s), lookahead for a learned one, whose counts change with every batch (a static
 # plan would send tokens to the wrong experts; lookahead matched the drain, -0.4% and
@@ -25,13 +25,13 @@ EXPERT_IMPLS = ("auto", "grouped", "padded", "loop")
 # (the demo's default before issue 46), none neither.
 BALANCE_MODES = ("bias", "aux", "none")
 # The bias step per optimizer step. DeepSeek-V3 used 1e-3 over ~10^5 steps; the demo's
-# runs last 120-300 steps. Measured on the CPU (bench/demo_balance.py, small preset,
+# runs last 120-300 steps. Measured on the CPU (bench/demo/balance.py, small preset,
 # 120 steps, largest expert share of a layer's picks over steps 55-64 / 110-119;
 # balanced 12.5%): 1e-3 18.6-38.1% / 14.5-16.7%, 3e-3 17.1-23.2% / 14.1-15.3%, 1e-2
 # 16.5-19.7% / 14.9-16.6%; --balance aux 19.5-34.5% / 18.2-24.7%.
 DEFAULT_BIAS_UPDATE_SPEED = 3e-3
 # Pacing points (MoE layers) the host may run ahead under static-paced. Provisional:
-# bench/pacing_ep.py sweeps it on GPUs and has not been run yet.
+# bench/demo/pacing_ep.py sweeps it on GPUs and has not been run yet.
 DEFAULT_RUN_AHEAD = 2
 
 

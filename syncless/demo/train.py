@@ -258,7 +258,7 @@ def _train_in(
     final = first + cfg.steps - 1
     # Built, attached: what lives now lives for the run. Frozen, the collector's full
     # passes skip it (a gen-2 collection over a built model is ~130 ms on 2 cores,
-    # bench/gc_pause.py): no step pays for one.
+    # bench/RESULTS.md, gc_pause): no step pays for one.
     gc.collect()
     gc.freeze()
     try:

@@ -278,7 +278,7 @@ def _qk_stats_grouped_kernel(
     # Offsets read from memory carry no alignment the compiler can see: without
     # multiple_of every load is scalar, and the grouped launch ran 2.1x slower than one
     # launch per layer (5.59 against 2.64 ms for 16 layers of B 4, H 32/8, L 2048, D 64;
-    # bench/attention_insitu.py at de5792c). LayerBatch only groups 16-byte aligned
+    # bench/monitors/attention_insitu.py at de5792c). LayerBatch only groups 16-byte aligned
     # tensors.
     q_base = q_ptr + tl.multiple_of(tl.load(offsets_ptr + layer), Q_ALIGN)
     k_base = k_ptr + tl.multiple_of(tl.load(offsets_ptr + L + layer), K_ALIGN)

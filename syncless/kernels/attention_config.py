@@ -13,7 +13,7 @@ class QKConfig:
     """Tile sizes and launch shape of the statistics kernel. ``warp_specialize``: Triton
     splits the unmasked key loop into producer and consumer warps, to overlap the QK
     GEMM with the exponentials (what FlashAttention-3 does by hand); a sweep candidate
-    (bench/attention_kernel.py), off unless it wins there. With Triton 3.6 on the H200
+    (bench/monitors/attention_kernel.py), off unless it wins there. With Triton 3.6 on the H200
     it did not (add772f): 64 x 64 tiles and 128 x 64 with 4 warps failed to compile
     (assertions in Triton's Hopper warp-specialisation passes), and 128 x 64 with 8
     warps ran slower than the default, 0.244 against 0.142 ms at head_dim 128 and 0.322
@@ -29,7 +29,7 @@ class QKConfig:
 # Per head_dim (the largest that fits wins). Before this table: 128 x 32, 8 warps for
 # every head_dim (2.45 ms -> 1.51 ms on the demo's large shape with base 2 and unmasked
 # blocks, bench/RESULTS.md monitor_kernels fb3e2cf); the entries below are
-# bench/attention_kernel.py's sweep on the H200 (bench/RESULTS.md, attention_kernel).
+# bench/monitors/attention_kernel.py's sweep on the H200 (bench/RESULTS.md, attention_kernel).
 # 64 x 64 with 4 warps took 0.453 ms on B 2, H 32/8, L 4096, D 128 against 0.585 ms at
 # the former 128 x 32 with 8 warps, and 0.167 against 0.219 ms at D 64 (40bb95a). The
 # sweep over 17 tiles on four shapes (e23b6ee) kept 64 x 64, 4 warps, 3 stages for D 64

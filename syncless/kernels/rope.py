@@ -23,7 +23,7 @@ from syncless.hot_path import hot_path
 from syncless.kernels.selection import interpreting
 
 # Positions per program; every program walks all heads. A probe of 8 to 64 rows and 2
-# to 8 warps on bench/attention_kernel.py's four head_dim shapes (H200, d57017b) found
+# to 8 warps on bench/monitors/attention_kernel.py's four head_dim shapes (H200, d57017b) found
 # 16 rows with 4 warps within 10% of the best on each; 64 rows with 2 warps ran 5x
 # slower (spills), so the tile stays small.
 _BLOCK_L = 16

@@ -9,7 +9,7 @@ a flush is a few whole-array numpy passes plus one list per record kind.
 Flat element order is the buffer's: the mean/sum elements (declaration order), then
 the max/min elements, then the globals over layers. Each region is contiguous in the
 packed buffer (``[sums | counts | maxima]``), so decoding it is a slice, one divide
-and one compare, not a gather and several selects per element (bench/monitor_flush.py:
+and one compare, not a gather and several selects per element (bench/monitors/flush.py:
 decode and records of the demo large schema 0.54 -> 0.25 ms on a 2-core CPU).
 """
 

@@ -31,7 +31,7 @@ MOVED_LAYER = "monitors/step/moved_first_layer"
 # The earliest record of each name, then the records of the same readout step that go
 # with it, on every rank (each rank counts its own outputs: their counts add up). Only
 # rank 0 writes the step records; on several ranks the lowest value wins. A few rows,
-# whatever the run's length: 8 ms on 101k records (bench/summary_speed.py's run, 2 cores).
+# whatever the run's length: 8 ms on 101k records (bench/store/summary_speed.py's run, 2 cores).
 _QUERY = f"""
 WITH earliest AS (
     SELECT name, step, value FROM metrics

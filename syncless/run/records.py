@@ -38,7 +38,7 @@ class StepRecords(Sequence[StepRecord]):
 
     A monitor flush emits ~1,500 records per step. The Parquet writer thread turns them
     into an Arrow table while holding the GIL the training thread needs: 0.42 ms per
-    step of records from tuples, 0.14 from columns (bench/monitor_flush.py, 2-core CPU).
+    step of records from tuples, 0.14 from columns (bench/monitors/flush.py, 2-core CPU).
     Iterating
     yields ordinary :class:`StepRecord` s, built on the fly, so a sink reading records
     one by one sees no difference.

@@ -66,7 +66,7 @@ class TensorBoardSink(ThreadedSink):
         # One event per (step, wall time) holds its scalars and histograms: 1,536
         # monitor records took 71 ms with SummaryWriter.add_scalar per record and 20 ms
         # more for torch's histogram helper per vector family, all Python holding the
-        # GIL the training thread needs (bench/sink_cost.py, bench/RESULTS.md).
+        # GIL the training thread needs (bench/store/sink_cost.py, bench/RESULTS.md).
         events: dict[tuple[int, float], list[Any]] = defaultdict(list)
         vectors: dict[tuple[int, float, str], list[float]] = defaultdict(list)
         for _, step, _, names, values, time in records.chunks():

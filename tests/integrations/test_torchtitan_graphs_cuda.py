@@ -14,7 +14,7 @@ The whole ``Trainer`` is not built: it needs a tokenizer's files and a dataset. 
 test beside this one (test_torchtitan_graphs.py) runs it with a stand-in graph.
 torchtitan 0.3 imports ``torch.distributed.fsdp.DataParallelMeshDims`` (torch 2.12) in
 its FSDP helpers, which one GPU never calls; on an older torch a placeholder class
-lets it import, as bench/titan_models.py does.
+lets it import, as bench/stacks/titan_models.py does.
 
     PYTHONPATH=.wheels/site python -m pytest -q tests/integrations/test_torchtitan_graphs_cuda.py
 """
@@ -67,7 +67,7 @@ def _llama3(device: torch.device) -> torch.nn.Module:
         n_layers=LAYERS, dim=DIM, n_heads=8, n_kv_heads=4, hidden_dim=3 * DIM,
         rope=ComplexRoPE.Config(dim=DIM // 8, max_seq_len=SEQ), attn_backend="flex",
     )  # fmt: skip
-    for layer in layers:  # SDPA, as bench/titan_models.py
+    for layer in layers:  # SDPA, as bench/stacks/titan_models.py
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     config = Llama3Model.Config(
         dim=DIM,

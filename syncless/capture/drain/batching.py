@@ -56,7 +56,7 @@ class DrainBatching:
         # so the writers work in parallel and staging holds several transfers. Taking
         # all of staging at once left the copy engine idle until the writer gave it
         # back: 89% of pinned D2H in 15 transfers of about 1 GiB, against 95% in 30 to
-        # 37 before the drain gathered (bench/capture_drain.py, a25e395 and 01755cc).
+        # 37 before the drain gathered (bench/capture/drain.py, a25e395 and 01755cc).
         self._batch_bytes = batch_bytes
         self._gather_s = gather_s
         # Records in flight that end a gather (and wake the drain): half the slots, so
@@ -115,7 +115,7 @@ class DrainBatching:
         or the oldest has waited ``gather_s``: captures pile up and go in one
         transfer, so the drain's Python (which holds the GIL) runs per transfer. A
         look per capture cost the training thread 182 us per 4 KiB ``capture()`` on
-        the H200 (bench/capture_drain.py, 01755cc); looks every 204 MiB or 20 ms, and
+        the H200 (bench/capture/drain.py, 01755cc); looks every 204 MiB or 20 ms, and
         every 64 deferred captures, still cost a GPU-bound step about 1% (see
         EngineConfig.gather_bytes)."""
         transfers = self._transfers

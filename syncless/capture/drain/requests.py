@@ -134,7 +134,7 @@ class DrainRequests:
             # Batching, a flush goes in shard-sized transfers too: a capture blocked on a
             # full ring otherwise had the drain take all of staging at once, one shard
             # for one writer (4 writers stored 3.35 GB/s where the disk took 11.8 from
-            # four threads; bench/capture_load.py, 9fc45db).
+            # four threads; bench/capture/load.py, 9fc45db).
             upto = None if req.kind == "block" else req.upto
             windowed = self._windows.active()
             limit = self._staging.largest() if windowed else self._batching.limit()

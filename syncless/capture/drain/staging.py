@@ -105,7 +105,7 @@ class StagingCopier:
         # copy_ from this thread ran an OpenMP team of its own, whose spinning threads
         # took the cores of the training thread's team: every layer of a 16-layer model
         # captured cost its step +166% on the 2-core CI host, +23% with the memmove
-        # (bench/capture_load.py --tiny --layers 16, aae33ea).
+        # (bench/capture/load.py --tiny --layers 16, aae33ea).
         self._host_copy = ring.device.type == "cpu"
         self._staging_ring = ByteRing(staging.numel(), align)
         self._staging_lock = threading.Lock()

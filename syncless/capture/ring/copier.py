@@ -6,12 +6,12 @@ event recorded by ``cuEventRecord``, both through ``ctypes.PyDLL``, which keeps 
 GIL. A torch ``copy_`` and ``Event.record`` each release it around their C++ body,
 and every release lets the drain or writer thread take the GIL from the training
 thread (see :mod:`syncless.cuda_driver`): on the H200 a 4 KiB ``capture()`` cost 37 us
-with torch's calls while those threads ran (bench/capture_drain.py, 0a153bf).
+with torch's calls while those threads ran (bench/capture/drain.py, 0a153bf).
 Everything else (strided views, conjugate and negative bits, the CPU, a driver that
 refuses) takes torch's path, which gives the same bytes in row-major order.
 
 The copy is the floor of a capture's host time: 5-8 us of the H200 host per
-``cuMemcpyDtoDAsync`` (bench/driver_calls.py). A launch of our own copy kernel through
+``cuMemcpyDtoDAsync`` (bench/RESULTS.md, driver_calls). A launch of our own copy kernel through
 ``cuLaunchKernel`` was tried instead and cost as much or more (8.31 against 8.26 us at
 4 KiB, 11.06 against 6.76 us at 32 MiB; copy_probe, 0c6faa0), so it is not used.
 
