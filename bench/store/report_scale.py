@@ -2,8 +2,10 @@
 
 Goal: ``syncless report RUN`` in at most 5 s, a page of at most 10 MB. The run is
 synthetic, written with pyarrow straight into the files ``syncless compact`` leaves (one
-shard per rank, row groups of 131,072 records, names that are the manifest): a real
-writer would take hours to log it. Each rank logs ``--metrics`` step metrics every
+shard per rank, row groups of 131,072 records, names that are the manifest, and each
+shard's rollup, written by compaction's own ``write_rollup``): a real writer would take
+hours to log it. (A data set kept from before rollups has none: ``syncless compact`` on
+it writes them, or delete it.) Each rank logs ``--metrics`` step metrics every
 step (the demo's loss, lr, step_ms, tokens_per_s, ...), with a loss spike on one rank
 at one step; rank 0 also logs ``--layers`` layers x 5 monitors every ``--monitor-every``
 steps, as a budgeted monitor stack would. Values are random walks, so buckets differ.
@@ -31,6 +33,7 @@ import pyarrow.parquet as pq
 
 from bench.harness import append_result, syncless_argv
 from syncless.run.parquet import SCHEMA
+from syncless.run.rollups import write_rollup
 from syncless.run.rundir import FORMAT, METRICS_DIR
 from syncless.run.shards import shard_name
 
@@ -81,6 +84,7 @@ def write_run(run_dir: Path, ranks: int, steps: int, metrics: int, layers: int, 
             schema=SCHEMA,
         )
         shard = shard_name(rank, 1, 1, (0, steps - 1), len(step))
+        write_rollup(run_dir / METRICS_DIR, shard, table)  # as compaction does, before its shard
         pq.write_table(table, run_dir / METRICS_DIR / shard, row_group_size=ROW_GROUP)
         records += len(step)
     return records
@@ -114,7 +118,9 @@ def main(argv: list[str] | None = None) -> None:
         records = write_run(run_dir, args.ranks, args.steps, args.metrics, args.layers,
                             args.monitor_every)  # fmt: skip
         print(f"wrote {records:,} records in {time.perf_counter() - start:.0f} s: {run_dir}")
-    records = sum(pq.read_metadata(p).num_rows for p in (run_dir / METRICS_DIR).iterdir())
+    shards = sorted((run_dir / METRICS_DIR).glob("*.parquet"))
+    records = sum(pq.read_metadata(p).num_rows for p in shards)
+    rollups = len(list((run_dir / METRICS_DIR).glob("*.rollup")))
     page = run_dir.parent / f"{shape}.html"
     times = report_s(run_dir, page, args.repeat)
     took, mb = statistics.median(times), page.stat().st_size / 1e6
@@ -122,8 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     result = (
         f"{args.ranks} ranks x {args.steps:,} steps, {args.metrics} step metrics a rank every "
         f"step + {args.layers} layers x {len(MONITORS)} monitors every {args.monitor_every} "
-        f"steps on rank 0 ({records / 1e6:.1f}M records, {len(list((run_dir / METRICS_DIR).iterdir()))} "
-        f"shards): syncless report {took:.2f} s (median of {args.repeat}, fresh process; "
+        f"steps on rank 0 ({records / 1e6:.1f}M records, {len(shards)} shards, {rollups} "
+        f"rollups): syncless report {took:.2f} s (median of {args.repeat}, fresh process; "
         f"{', '.join(f'{t:.2f}' for t in times)}), page {mb:.2f} MB "
         f"(goal <= {GOAL_S:.0f} s, <= {GOAL_MB:.0f} MB: {met})"
     )  # fmt: skip

@@ -2,7 +2,8 @@
 
 :func:`load` reads the runs as one store (``syncless.run.open_runs``) in two scans:
 which metrics each run has, then every shared metric's min/max bands per step bucket
-on one grid, run by run (``report/bands.py``). The page has the runs and their config
+on one grid, run by run (``report/bands.py``; both through the shards' rollups where
+compaction wrote them). The page has the runs and their config
 differences, a chart per metric they share (each run a line and its band), and the
 per-layer monitors as heatmaps, side by side or, one click away, as the difference
 from the first run. Size is budgeted: more runs and metrics get wider buckets, so
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from syncless.report import html as page
-from syncless.report.bands import MAX_COLUMNS, Grid, Series, read_series
+from syncless.report.bands import MAX_COLUMNS, Grid, Series, read_series, read_spans
 from syncless.report.compare import check_shared
 from syncless.report.config_diff import ConfigDiff, diff_configs
 from syncless.report.data import LAYER_NAME, Cells, layer_cells
@@ -69,9 +70,7 @@ def load(store: RunStore) -> Overlay:
     """Read what the page needs from a store of several runs."""
     spans: dict[str, tuple[int, int, int]] = {}
     names: dict[str, dict[str, tuple[int, int]]] = {}
-    for run, name, first, last, records in store.sql(
-        "SELECT run, name, min(step), max(step), count(*) FROM metrics GROUP BY ALL"
-    ).fetchall():
+    for run, name, first, last, records in read_spans(store):
         names.setdefault(run, {})[name] = (first, last)
         low, high, count = spans.get(run, (first, last, 0))
         spans[run] = (min(low, first), max(high, last), count + records)

@@ -1,5 +1,10 @@
 """``syncless check RUN_DIR``: is every shard readable, and is every step there?
 
+Rollups (syncless.run.rollups) are checked too: each footer, and that each width of a
+rollup sums up as many records as its shard holds. A rollup that fails is a problem
+(the report reads its shard instead, but ``syncless compact`` would not write it again
+until it is deleted); a stray one (its shard covered or gone) is a note.
+
 :func:`check` returns a :class:`RunHealth`; ``print_check`` renders it; ``run`` is the
 command (exit status 0 healthy, 1 unhealthy, 2 usage error).
 """
@@ -44,6 +49,7 @@ SELECT rank, step - diff, step, stride FROM d JOIN strides USING (rank)
 WHERE diff > stride ORDER BY rank, step
 """
 _CAPTURE_EXTENTS = 'SELECT file, max("offset" + nbytes) FROM captures GROUP BY file ORDER BY file'
+_ROLLUP_COUNTS = "SELECT file, width, sum(records) FROM metrics_rollups GROUP BY ALL ORDER BY ALL"
 
 
 class Gap(NamedTuple):
@@ -81,6 +87,9 @@ class RunHealth:
     ranks: list[RankHealth]
     capture_errors: list[str]  # capture data files shorter than their index says
     temp_files: list[str]  # left by a writer killed mid-shard; readers ignore them
+    rollups: int = 0  # visible shards with a rollup that reads
+    rollup_errors: list[str] = field(default_factory=list)  # unreadable or miscounting
+    stray_rollups: list[str] = field(default_factory=list)  # shard covered or gone: ignored
 
     @property
     def unreadable(self) -> list[Shard]:
@@ -103,7 +112,7 @@ class RunHealth:
             for r in self.ranks
             if r.gaps
         ]
-        return problems + self.capture_errors
+        return problems + self.capture_errors + self.rollup_errors
 
     @property
     def healthy(self) -> bool:
@@ -126,6 +135,9 @@ class RunHealth:
             ],
             "capture_errors": self.capture_errors,
             "temp_files": self.temp_files,
+            "rollups": self.rollups,
+            "rollup_errors": self.rollup_errors,
+            "stray_rollups": self.stray_rollups,
         }
 
 
@@ -146,12 +158,33 @@ def check(path: str | os.PathLike) -> RunHealth:
                 for folder, _ in TABLES.values()
                 for name in fnmatch.filter(list_files(store.path / folder, "."), ".*.tmp")
             ),
+            rollup_errors=_rollup_errors(store),
+            stray_rollups=sorted(str(p) for p in store.stray_rollups),
         )
+        health.rollups = len(store.rollups)
     by_rank = {r.rank: r for r in health.ranks}
     for rank, after, before, stride in gaps:
         count = (before - after - 1) // stride
         by_rank[rank].gaps.append(Gap(after + stride, after + count * stride, count))
     return health
+
+
+def _rollup_errors(store: RunStore) -> list[str]:
+    """Rollups that cannot be read, or that sum up another number of records than their
+    shard holds (at any width)."""
+    redo = "delete it and `syncless compact` writes it again"
+    errors = [
+        f"unreadable rollup {p}: {why} (its shard is read instead; {redo})"
+        for p, why in sorted(store.bad_rollups.items(), key=lambda e: str(e[0]))
+    ]
+    shards = {store._real(r): (r, store.shards[s].rows) for s, r in store.rollups.items()}
+    _, counts = store.query(_ROLLUP_COUNTS)
+    for file, width, records in counts:
+        rollup, rows = shards[file]
+        if records != rows:
+            errors.append(f"rollup {rollup} sums up {records} records at width {width}, its "
+                          f"shard holds {rows} ({redo})")  # fmt: skip
+    return errors
 
 
 def _world_size(info: dict[str, Any]) -> int | None:
@@ -210,6 +243,11 @@ def print_check(health: RunHealth, fmt: str = "table", out: TextIO | None = None
     if health.temp_files:
         console.print(
             f"note: {len(health.temp_files)} temp file(s) of an interrupted write, ignored"
+        )
+    if health.stray_rollups:
+        console.print(
+            f"note: {len(health.stray_rollups)} rollup(s) of shards covered or gone, ignored "
+            "(`syncless compact` deletes them)"
         )
     for problem in health.problems:
         console.print(f"problem: {problem}", markup=False, highlight=False, soft_wrap=True)

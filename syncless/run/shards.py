@@ -16,6 +16,13 @@ range covers: a crash between the merged shard's rename and the inputs' deletion
 every record visible exactly once. Shards of earlier versions
 (``rank00003-000007.parquet``) are read as one-number shards whose steps and rows are
 unknown until their footer is read.
+
+A shard may have a rollup beside it (syncless.run.rollups): the same name with
+``.rollup`` for ``.parquet``. It summarizes that shard and nothing else, so the same
+rule keeps it honest: a rollup counts only while the shard it names is visible; one
+whose shard is covered or gone (a compaction killed between writing it and its shard,
+or after deleting a shard before its rollup) is a stray that readers ignore and the
+next compaction deletes.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from syncless.run.storage import RunPath, list_files
 
@@ -79,6 +86,29 @@ def parse(name: str) -> ShardName | None:
     return ShardName(int(m["rank"]), lo, int(m["hi"]), int(m["s0"]), int(m["s1"]), int(m["rows"]))
 
 
+#: The step bucket widths a rollup holds (syncless.run.rollups, which says why these):
+#: 64, 256, 1,024, 4,096, 16,384, 65,536.
+ROLLUP_WIDTHS = tuple(64 * 4**k for k in range(6))
+#: What a rollup's name ends with, where its shard's ends with ``.parquet``: not a
+#: Parquet name, so that versions before rollups, which read any other ``*.parquet`` of
+#: the folder as a shard, pass it by.
+ROLLUP_SUFFIX = ".rollup"
+
+
+def rollup_name(shard: str) -> str:
+    """The file name of the rollup of the shard named ``shard``."""
+    return shard.removesuffix(".parquet") + ROLLUP_SUFFIX
+
+
+def rollup_shard(name: str) -> str | None:
+    """The shard the rollup file ``name`` summarizes; None for a file that is not a
+    rollup (temporary files included)."""
+    if name.startswith(".") or not name.endswith(ROLLUP_SUFFIX):
+        return None
+    shard = name.removesuffix(ROLLUP_SUFFIX) + ".parquet"
+    return shard if parse(shard) is not None else None
+
+
 def shard_name(rank: int, first_seq: int, last_seq: int, steps: Sequence[int], rows: int) -> str:
     """The file name of a shard of ``rows`` records over ``steps`` (min, max)."""
     return ShardName(rank, first_seq, last_seq, min(steps), max(steps), rows).name
@@ -87,12 +117,16 @@ def shard_name(rank: int, first_seq: int, last_seq: int, steps: Sequence[int], r
 @dataclass(frozen=True)
 class Catalogue:
     """A listing of a metrics folder: the shards a reader reads (``visible``), the ones
-    a merged shard covers (``covered``: deleted by the next compaction), and files that
-    are not shards (``other``, temporary files included)."""
+    a merged shard covers (``covered``: deleted by the next compaction), the rollups of
+    visible shards (``rollups``: shard name -> rollup name), rollups whose shard is
+    covered or gone (``stray_rollups``: ignored, deleted by the next compaction), and
+    files that are neither (``other``, temporary files included)."""
 
     visible: list[tuple[str, ShardName]]
     covered: list[tuple[str, ShardName]]
     other: list[str]
+    rollups: dict[str, str] = field(default_factory=dict)
+    stray_rollups: list[str] = field(default_factory=list)
 
     def by_rank(self) -> dict[int, list[tuple[str, ShardName]]]:
         """The visible shards per rank, in sequence order (built once)."""
@@ -116,12 +150,15 @@ def catalogue(names: Iterable[str]) -> Catalogue:
     ranges are taken first, and a range inside one already taken is dropped."""
     parsed: dict[int, list[tuple[str, ShardName]]] = {}
     other: list[str] = []
+    rollup_of: dict[str, str] = {}  # shard name -> its rollup's
     for name in names:
         shard = None if name.startswith(".") else parse(name)  # temporary files, locks
-        if shard is None:
-            other.append(name)
-        else:
+        if shard is not None:
             parsed.setdefault(shard.rank, []).append((name, shard))
+        elif (summarized := rollup_shard(name)) is not None:
+            rollup_of[summarized] = name
+        else:
+            other.append(name)
     visible: list[tuple[str, ShardName]] = []
     covered: list[tuple[str, ShardName]] = []
     for rank in sorted(parsed):
@@ -135,7 +172,10 @@ def catalogue(names: Iterable[str]) -> Catalogue:
             else:
                 visible.append(entry)
                 reach = entry[1].last_seq
-    return Catalogue(visible, covered, sorted(other))
+    shown = {name for name, _ in visible}
+    rollups = {shard: r for shard, r in rollup_of.items() if shard in shown}
+    stray = sorted(r for shard, r in rollup_of.items() if shard not in shown)
+    return Catalogue(visible, covered, sorted(other), rollups, stray)
 
 
 def list_folder(folder: RunPath, rank: int | None = None) -> Catalogue:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from syncless.errors import UsageError
 from syncless.run.rundir import METRICS_DIR, read_run_json
 from syncless.run.runset import RunEntry, find_runs, runs_table
-from syncless.run.shards import catalogue, parse
+from syncless.run.shards import Catalogue, catalogue, parse
 from syncless.run.storage import (
     RunPath,
     exists,
@@ -51,6 +51,16 @@ METRICS_COLUMNS = (("run", "VARCHAR"), ("step", "BIGINT"), ("rank", "INTEGER"),
                    ("name", "VARCHAR"), ("value", "DOUBLE"), ("time", "DOUBLE"))  # fmt: skip
 _COLUMNS = ", ".join(name for name, _ in METRICS_COLUMNS)
 _DATA_COLUMNS = ", ".join(name for name, _ in METRICS_COLUMNS[1:])  # without run
+# syncless.run.rollups.SCHEMA, spelled out for the same reason (the same test checks).
+ROLLUP_COLUMNS = (("width", "INTEGER"), ("run", "VARCHAR"), ("name", "VARCHAR"),
+                  ("rank", "INTEGER"), ("step", "BIGINT"), ("first_step", "BIGINT"),
+                  ("last_step", "BIGINT"), ("low", "DOUBLE"), ("high", "DOUBLE"),
+                  ("total", "DOUBLE"), ("records", "BIGINT"))  # fmt: skip
+_ROLLUP_DATA = ", ".join(name for name, _ in ROLLUP_COLUMNS if name != "run")
+# The views a store keeps over its metrics shards, beside ``metrics``: the rollups of the
+# readable visible shards that have one, and the records of those that have none. A query
+# that reads both (syncless.report.bands) counts every record once.
+ROLLUP_VIEWS = ("metrics_rollups", "metrics_unrolled")
 
 # Settings fixed at connect. The run's folders are allowed, then external access goes
 # off and the settings lock, in RunStore.__init__.
@@ -157,6 +167,12 @@ class RunStore:
     ``captures.run`` hold each record's run id, the key of ``runs``. Over one run,
     ``metrics.run`` is what its writer stored (the directory name, for ``Run``).
 
+    Two more views split ``metrics`` for readers that want it summed by step bucket
+    (syncless.report.bands): ``metrics_rollups``, the rollups of the visible shards that
+    have one (syncless.run.rollups; ``file`` names each row's rollup), and
+    ``metrics_unrolled``, the records of the shards that have none. A rollup that cannot
+    be read is left out (``bad_rollups``; a warning each) and its shard read instead.
+
     Example::
 
         with syncless.run.open("runs/20261130-101500-demo-tiny") as store:
@@ -192,6 +208,12 @@ class RunStore:
             self.runs = find_runs(list(path))
         #: Every shard of the latest listing, readable or not, by path.
         self.shards: dict[RunPath, Shard] = {}
+        #: Visible shards' rollups, by shard path (unreadable ones left out).
+        self.rollups: dict[RunPath, RunPath] = {}
+        #: Rollups that could not be read: path -> why (their shards are read instead).
+        self.bad_rollups: dict[RunPath, str] = {}
+        #: Rollups of the latest listing whose shard is covered or gone: ignored.
+        self.stray_rollups: list[RunPath] = []
         self._views: dict[str, list[tuple[str, str]]] = {}  # table -> (run, real path) it reads
         self._read_whole: set[RunPath] = set()  # shards read whole without an error
         self._real_folders: dict[RunPath, str] = {}  # folder -> its real path and a separator
@@ -283,11 +305,18 @@ class RunStore:
         self._listings = listings
         known = {(s.table, s.path): s for s in self.shards.values()}
         self.shards = {}
+        rollups: dict[RunPath, RunPath] = {}
+        self.stray_rollups = []
         new: list[Shard] = []
         for run in self.runs:
             for table in TABLES:
                 folder = run.path / TABLES[table][0]
-                for name, rows in _shards_of(table, listings[run.id, table]):
+                names = listings[run.id, table]
+                listing = catalogue(names) if table == "metrics" else None
+                if listing is not None:
+                    rollups.update({folder / s: folder / r for s, r in listing.rollups.items()})
+                    self.stray_rollups += [folder / r for r in listing.stray_rollups]
+                for name, rows in _shards_of(table, names, listing):
                     path = folder / name
                     shard = known.get((table, path))
                     if shard is None:  # new: a Path and, without a manifest name, a footer
@@ -297,15 +326,38 @@ class RunStore:
                         if shard.error is not None:
                             self._report(shard)
                     self.shards[shard.path] = shard
-        files = {table: self._readable(table) for table in TABLES}
+        listed = set(rollups.values())
+        self.bad_rollups = {p: e for p, e in self.bad_rollups.items() if p in listed}
+        self.rollups = {s: r for s, r in rollups.items() if r not in self.bad_rollups}
+        files = self._view_files()
         if self._con is None or not all(
             self._allowed.issuperset(p for _, p in f) for f in files.values()
         ):
             self._connect({p for table_files in files.values() for _, p in table_files})
-        for table, table_files in files.items():
-            if self._views.get(table) != table_files:
-                self._view(table, table_files)
+        self._update_views()
         return new
+
+    def _view_files(self) -> dict[str, list[tuple[str, str]]]:
+        """(run id, real path) of the files each view reads: the tables' readable
+        shards, and the metrics shards' rollups or, where a shard has none, the shard."""
+        files = {table: self._readable(table) for table in TABLES}
+        rolled, unrolled = [], []
+        for path, shard in self.shards.items():
+            if shard.table == "metrics" and shard.error is None:
+                rollup = self.rollups.get(path)
+                if rollup is None:
+                    unrolled.append((shard.run, self._real(path)))
+                else:
+                    rolled.append((shard.run, self._real(rollup)))
+        return {**files, "metrics_rollups": rolled, "metrics_unrolled": unrolled}
+
+    def _update_views(self) -> None:
+        """Point each view whose files changed at its files now (planned again for
+        each: a view that meets an unreadable file leaves it out of every view)."""
+        for view in (*TABLES, *ROLLUP_VIEWS):
+            files = self._view_files()[view]
+            if self._views.get(view) != files:
+                self._view(view, files)
 
     def sql(self, query: str) -> duckdb.DuckDBPyRelation:
         """Run one SELECT and return its rows as a DuckDB relation (``.fetchall()``,
@@ -376,6 +428,9 @@ class RunStore:
 
     def _view(self, table: str, files: list[tuple[str, str]]) -> None:
         self._views[table] = files
+        if table in ROLLUP_VIEWS:
+            self._rollup_view(table, files)
+            return
         if not files:
             if table == "metrics":  # empty, with the schema: queries still bind
                 columns = ", ".join(f"NULL::{kind} AS {name}" for name, kind in METRICS_COLUMNS)
@@ -413,19 +468,40 @@ class RunStore:
             if not self._drop_culprit(e):
                 raise
 
+    def _rollup_view(self, view: str, files: list[tuple[str, str]]) -> None:
+        """``metrics_rollups`` (run first, then the rollup's columns and ``file``) or
+        ``metrics_unrolled`` (the columns of ``metrics``) over ``files``."""
+        if view == "metrics_rollups":
+            each = f"{_ROLLUP_DATA}, filename AS file"
+            columns = self._union(files, f"run, {each}", each, "filename = true")
+            empty = [("run", "VARCHAR"), *(c for c in ROLLUP_COLUMNS if c[0] != "run"),
+                     ("file", "VARCHAR")]  # fmt: skip
+        else:
+            columns = self._union(files, _COLUMNS, _DATA_COLUMNS, "")
+            empty = list(METRICS_COLUMNS)
+        if not files:  # empty, with the columns: queries still bind
+            nulls = ", ".join(f"NULL::{kind} AS {name}" for name, kind in empty)
+            columns = f"SELECT {nulls} WHERE false"
+        try:
+            self._con.execute(f"CREATE OR REPLACE VIEW {view} AS {columns}")
+        except self._duckdb.Error as e:  # binding reads the first file: it may be bad
+            if not self._drop_culprit(e):
+                raise
+
     def _union(self, files: list[tuple[str, str]], one: str, each: str, options: str) -> str:
         """A SELECT over ``files``: over one run, its columns ``one``; over several, each
         run's id as ``run`` and the columns ``each``, run after run."""
+        options = f", {options}" if options else ""
         if not self.several:
             paths = ", ".join(sql_string(f) for _, f in files)
-            return f"SELECT {one} FROM read_parquet([{paths}], {options})"
+            return f"SELECT {one} FROM read_parquet([{paths}]{options})"
         by_run: dict[str, list[str]] = {}
         for run, path in files:
             by_run.setdefault(run, []).append(sql_string(path))
         # Each run's id is a constant of its own scan: no per-row work to name the run.
         parts = [
             f"SELECT {sql_string(run)} AS run, {each} "
-            f"FROM read_parquet([{', '.join(paths)}], {options})"
+            f"FROM read_parquet([{', '.join(paths)}]{options})"
             for run, paths in by_run.items()
         ]
         return (" UNION ALL BY NAME " if each == "*" else " UNION ALL ").join(parts)
@@ -471,7 +547,8 @@ class RunStore:
 
     def verify(self) -> list[Shard]:
         """Read every shard's footer (``syncless check``): what the names say is
-        checked against the files. Returns the shards found unreadable."""
+        checked against the files. Returns the shards found unreadable; rollups whose
+        footer is unreadable or not a rollup's go to ``bad_rollups``."""
         bad = []
         for path, shard in list(self.shards.items()):
             if shard.error is not None:
@@ -481,12 +558,23 @@ class RunStore:
                 error = f"its name says {shard.rows} rows, the file holds {rows}"
             if error is not None:
                 bad.append(self._unreadable(shard, error))
+        for rollup in list(self.rollups.values()):
+            problem = _rollup_problem(rollup)
+            if problem is not None:
+                self._bad_rollup(rollup, problem)
         return bad
 
     def _drop_culprit(self, error: BaseException) -> bool:
         """Mark the shard ``error`` names unreadable (or gone: listed again) and point
         the views past it; False when the error names none of the run's shards."""
         text = str(error)
+        for rollup in list(self.rollups.values()):
+            if self._real(rollup) in text:
+                if not exists(rollup):  # its shard was compacted away since the listing
+                    self.refresh()
+                else:
+                    self._bad_rollup(rollup, _rollup_problem(rollup) or _first_line(error))
+                return True
         for path, shard in list(self.shards.items()):
             if shard.error is None and self._real(path) in text:
                 if not exists(path):  # compacted away since the listing
@@ -512,13 +600,31 @@ class RunStore:
                 found = True
             else:
                 self._read_whole.add(path)
+        for rollup in list(self.rollups.values()):
+            if rollup in self._read_whole:
+                continue
+            try:
+                read_table(rollup)
+            except (OSError, _arrow_error()) as e:
+                self._bad_rollup(rollup, _first_line(e))
+                found = True
+            else:
+                self._read_whole.add(rollup)
         return found
 
     def _unreadable(self, shard: Shard, reason: str) -> Shard:
         bad = self.shards[shard.path] = shard._replace(rows=0, error=reason)
         self._report(bad)
-        self._view(shard.table, self._readable(shard.table))
+        self._update_views()
         return bad
+
+    def _bad_rollup(self, rollup: RunPath, reason: str) -> None:
+        """Leave ``rollup`` out from now on: its shard is read record by record."""
+        self.bad_rollups[rollup] = reason
+        self.rollups = {s: r for s, r in self.rollups.items() if r != rollup}
+        if self.warn:
+            log.warning("unreadable rollup %s: %s; its shard is read instead", rollup, reason)
+        self._update_views()
 
     def _report(self, shard: Shard) -> None:
         message = f"unreadable shard {shard.path}: {shard.error}"
@@ -568,12 +674,15 @@ def _read_info(path: RunPath) -> dict[str, Any]:
         raise UsageError(f"cannot read run directory {str(path)!r}: {reason}") from None
 
 
-def _shards_of(table: str, names: list[str]) -> list[tuple[str, int | None]]:
+def _shards_of(
+    table: str, names: list[str], listing: Catalogue | None = None
+) -> list[tuple[str, int | None]]:
     """The table's shard files among a folder's ``names``, with their rows where the
-    name says them (metrics shards; no file is opened)."""
+    name says them (metrics shards; no file is opened). ``listing``: the names'
+    catalogue, where the caller has it."""
     if table != "metrics":
         return [(name, None) for name in sorted(fnmatch.filter(names, TABLES[table][1]))]
-    listing = catalogue(names)
+    listing = listing or catalogue(names)
     # Another name in the folder is read as a shard of unknown rows (a copy, a rename by
     # hand): its footer decides.
     odd = [n for n in listing.other if n.endswith(".parquet") and not n.startswith(".")]
@@ -600,6 +709,20 @@ def _inspect(table: str, path: RunPath) -> tuple[int, str | None]:
         if problems:
             return 0, f"not a metrics shard: {'; '.join(problems)}"
     return meta.num_rows, None
+
+
+def _rollup_problem(path: RunPath) -> str | None:
+    """What is wrong with a rollup's footer (unreadable, or not a rollup's columns);
+    None when nothing is."""
+    try:
+        schema = read_metadata(path).schema.to_arrow_schema()
+    except (OSError, _arrow_error()) as e:
+        return _first_line(e)
+    from syncless.run.rollups import SCHEMA  # pyarrow: only when a footer is read
+
+    if not schema.equals(SCHEMA):
+        return f"not a rollup: its columns are {', '.join(schema.names)}"
+    return None
 
 
 def _arrow_error() -> type[Exception]:

@@ -3,6 +3,7 @@ wrote: every point inside its bucket's band, a spike kept, the bucket count boun
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -108,10 +109,19 @@ def test_bands_by_run_over_a_store_of_several(tmp_path, run):
         np.testing.assert_allclose(s.mean, [truth[b][0] for b in sorted(truth)], rtol=1e-12)
 
 
-@pytest.mark.parametrize(("first", "last", "size"), [(0, 0, 1), (0, 399, 1), (0, 400, 2),
-                                                      (5, 1_000_004, 2500), (-10, 10, 1)])  # fmt: skip
-def test_the_grid_fits_any_span_in_the_column_budget(first, last, size):
+# From 64 steps a bucket on, the grid is aligned to a rollup width: (5, 1_000_004) would
+# be 2,500 steps from step 5; it is 2,560 (a multiple of 256) from step 0.
+@pytest.mark.parametrize(("first", "last", "start", "size", "width"), [
+    (0, 0, 0, 1, None), (0, 399, 0, 1, None), (0, 400, 0, 2, None), (-10, 10, -10, 1, None),
+    (0, 25_599, 0, 64, 64), (100, 25_699, 64, 128, 64), (5, 1_000_004, 0, 2560, 256),
+    (-1_000, 100_000, -1_024, 256, 256), (0, 9_999_999, 0, 25_600, 1_024),
+])  # fmt: skip
+def test_the_grid_fits_any_span_in_the_column_budget(first, last, start, size, width):
     grid = Grid.spanning(first, last)
-    assert grid.size == size and grid.columns <= MAX_COLUMNS
+    assert (grid.first, grid.size, grid.rollup_width) == (start, size, width)
+    assert grid.columns <= MAX_COLUMNS
     # The last step falls in the last column, the first in the first.
-    assert (last - first) // grid.size == grid.columns - 1
+    assert (last - grid.first) // grid.size == grid.columns - 1
+    assert (first - grid.first) // grid.size == 0
+    if width is not None:  # the bucket grew by at most an eighth, or stays within 2x
+        assert grid.size * (1 - 1 / 8) < math.ceil((last - first + 1) / MAX_COLUMNS) * 2

@@ -44,6 +44,30 @@ def records_in_store(run: Path) -> collections.Counter:
     return collections.Counter(rows)
 
 
+def buckets(records: collections.Counter) -> dict[tuple, tuple]:
+    """(rank, name, step // 64) -> (records, low, high, sum) of ``records``."""
+    out: dict[tuple, list] = {}
+    for (rank, step, name, value), n in records.items():
+        got = out.setdefault((rank, name, step // 64), [0, value, value, 0.0])
+        got[0] += n
+        got[1], got[2] = min(got[1], value), max(got[2], value)
+        got[3] += n * value
+    return {k: (v[0], v[1], v[2], round(v[3], 6)) for k, v in out.items()}
+
+
+def buckets_in_store(run: Path) -> dict[tuple, tuple]:
+    """The same, through the shards' rollups where they have one, and their records
+    where not: what a report reads."""
+    with open_run(run) as store:
+        _, rows = store.query(
+            "SELECT rank, name, step // 64, sum(records), min(low), max(high), sum(total) FROM "
+            "(SELECT rank, name, step, records, low, high, total FROM metrics_rollups "
+            "WHERE width = 64 UNION ALL SELECT rank, name, step, 1, value, value, value "
+            "FROM metrics_unrolled) GROUP BY ALL"
+        )
+    return {tuple(r[:3]): (r[3], r[4], r[5], round(r[6], 6)) for r in rows}
+
+
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
     """3 ranks x 12 shards of 2-3 steps x 4 names."""
@@ -136,18 +160,23 @@ def _compact_in_child(run: Path, kill_at: int) -> subprocess.CompletedProcess:
 
 
 def test_a_sigkill_at_every_rename_and_delete_loses_and_doubles_nothing(run, tmp_path):
-    """Killed at each rename (a merged shard appears) and each delete (an input goes) in
-    turn, on a fresh copy of the run each time."""
+    """Killed at each rename (a merged shard or its rollup appears) and each delete (an
+    input goes) in turn, on a fresh copy of the run each time: the records, and the
+    buckets read through rollups, are the truth's."""
     truth = records_on_disk(run / "metrics")
     points = int(_compact_in_child(shutil.copytree(run, tmp_path / "probe"), 0).stdout)
-    assert points == 3 * (3 + 12)  # per rank: 3 merged shards of 4 inputs each
+    assert points == 3 * (3 * 2 + 12)  # per rank: 3 merged shards (and rollups) of 4 inputs
     for kill_at in range(1, points + 1):
         copy = shutil.copytree(run, tmp_path / f"killed-{kill_at}")
         done = _compact_in_child(copy, kill_at)
         assert done.returncode == -signal.SIGKILL, done.stderr
         assert records_in_store(copy) == truth, f"killed at call {kill_at}"
+        assert buckets_in_store(copy) == buckets(truth), f"killed at call {kill_at}"
         compact_run(copy, target_rows=40)  # the next compaction finishes and sweeps
         assert records_in_store(copy) == truth and not list_folder(copy / "metrics").covered
+        listing = list_folder(copy / "metrics")
+        assert not listing.stray_rollups and len(listing.rollups) == len(listing.visible)
+        assert buckets_in_store(copy) == buckets(truth)
         shutil.rmtree(copy)
 
 
@@ -195,6 +224,7 @@ def test_the_command_compacts_a_finished_run(run, capsys):
     assert main(["compact", str(run)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("syncless compact: 36 shards -> 3 (360 records rewritten")
+    assert "3 rollups written" in out
     assert main(["compact", str(run.parent)]) == 2  # not a run directory
     assert "syncless: error:" in capsys.readouterr().err
 

@@ -21,7 +21,7 @@ from syncless.errors import UsageError
 from syncless.run import ParquetSink, Run, StepRecord
 from syncless.run import open as open_run
 from syncless.run.compact import STALE_LOCK_S, compact_rank
-from syncless.run.shards import parse
+from syncless.run.shards import parse, rollup_name
 from syncless.run.storage import run_path
 
 pytest.importorskip("upath", reason='run directories in S3 need pip install "syncless[fsspec]"')
@@ -152,7 +152,8 @@ def test_every_command_takes_an_s3_run(s3: S3, capsys: pytest.CaptureFixture[str
 
     before = len(shard_names(s3, url))
     assert main(["compact", url]) == 0
-    assert before == 6 and shard_names(s3, url) == ["rank00000-000001-000006.s0_29.n90.parquet"]
+    merged = "rank00000-000001-000006.s0_29.n90"  # and its rollup, an object beside it
+    assert before == 6 and shard_names(s3, url) == [f"{merged}.parquet", f"{merged}.rollup"]
     assert stored(url) == logged
 
 
@@ -188,7 +189,9 @@ def test_live_compaction_in_s3_keeps_every_record_once(s3: S3) -> None:
     sink.close()
     assert sink.compaction_errors == 0
     names = shard_names(s3, url)
-    assert [(parse(n).first_seq, parse(n).last_seq) for n in names] == [(1, 8), (9, 9), (10, 10)]
+    shards = [n for n in names if n.endswith(".parquet")]
+    assert [(parse(n).first_seq, parse(n).last_seq) for n in shards] == [(1, 8), (9, 9), (10, 10)]
+    assert sorted(set(names) - set(shards)) == [rollup_name(shards[0])]  # the merged one's
     fs(s3).pipe_file(f"{s3.bucket}/runs/live/run.json", b'{"format": "syncless-run/1"}')
     assert stored(url) == expected
 
@@ -208,7 +211,8 @@ def test_a_held_lock_in_s3_skips_the_rank_and_a_stale_one_is_taken_over(s3: S3) 
     fs(s3).pipe_file(lock, json.dumps(held).encode())
     stats = compact_rank(folder, 0)
     assert stats.busy_ranks == 0 and stats.shards_after == 1
-    assert shard_names(s3, url) == ["rank00000-000001-000003.s0_14.n45.parquet"]  # lock gone
+    merged = "rank00000-000001-000003.s0_14.n45"  # the shard and its rollup; the lock gone
+    assert shard_names(s3, url) == [f"{merged}.parquet", f"{merged}.rollup"]
     assert stored(url) == logged
 
 

@@ -152,7 +152,8 @@ def test_the_escapes_are_refused_through_a_real_process(tmp_path, run_dir):
 
 def test_read_only_queries_still_work(run_dir, capsys):
     with open_run(run_dir) as store:
-        assert store.tables == ["metrics", "metrics_written", "runs"]
+        assert store.tables == ["metrics", "metrics_rollups", "metrics_unrolled",
+                                "metrics_written", "runs"]  # fmt: skip
         assert store.query("SELECT count(*) FROM metrics")[1] == [(10,)]
         assert store.query("WITH s AS (SELECT DISTINCT step FROM metrics) FROM s ORDER BY 1")[
             1
@@ -162,7 +163,8 @@ def test_read_only_queries_still_work(run_dir, capsys):
         ]
         pivot = "PIVOT metrics ON name IN ('test/step/m1') USING max(value) GROUP BY step"
         assert store.query(pivot + " ORDER BY step LIMIT 2")[1] == [(0, 0.1), (1, 1.1)]
-        assert store.query("SHOW TABLES")[1] == [("metrics",), ("metrics_written",), ("runs",)]
+        assert store.query("SHOW TABLES")[1] == [("metrics",), ("metrics_rollups",),
+            ("metrics_unrolled",), ("metrics_written",), ("runs",)]  # fmt: skip
         assert store.sql("SELECT sum(value) FROM metrics").fetchall() == [
             (pytest.approx(sum(step + i / 10 for step in range(5) for i in range(2))),)
         ]
@@ -192,7 +194,8 @@ def test_captures_are_a_table_where_the_run_has_captures(tmp_path, run_dir, caps
         ]
     )
     with open_run(run_dir) as store:
-        assert store.tables == ["captures", "metrics", "metrics_written", "runs"]
+        assert store.tables == ["captures", "metrics", "metrics_rollups", "metrics_unrolled",
+                                "metrics_written", "runs"]  # fmt: skip
         _, rows = store.query("SELECT tag, step, shape, dtype FROM captures ORDER BY seq")
     assert rows == [(f"layer_0{i}/hidden", 10 + i, [2, 3], "float32") for i in range(3)]
     assert main(["query", str(run_dir), "SELECT count(*) FROM captures", "--format", "csv"]) == 0
