@@ -10,6 +10,7 @@ view, and the reasons behind each default, are in docs/stragglers.md.
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -141,14 +142,14 @@ class StepTimes:
             self._layout = layout_of(self._names)
             self._meta_len = len(meta)
         if not self._steps:
-            return StepMedians(self._names, np.full(len(self._names), np.nan), self._layout)
+            return StepMedians.of(self._names, np.full(len(self._names), np.nan))
         width = len(meta)
         rows = np.full((len(self._steps), width), np.nan)
         for i, step in enumerate(self._steps):
             rows[i, : len(step)] = step[:width]
         rows = rows[:, self._plain]
         rows[rows <= 0] = np.nan
-        return StepMedians(self._names, _column_median(rows), self._layout)
+        return StepMedians(self._names, _column_median(rows).tobytes(), self._layout)
 
     def reset(self) -> None:
         """A new window: the recorder's totals went back to zero."""
@@ -174,14 +175,19 @@ class Fleet(NamedTuple):
 def fleet(summaries: Sequence[RankSummary]) -> Fleet:
     """The gathered summaries as a :class:`Fleet`. Scored: plain sections whose category
     is not a wait (``collective``, ``sync``); collectives and their parts never are."""
-    ordered = sorted(summaries, key=lambda s: s.rank)
-    layouts: dict[int, list[int]] = {}  # layout -> rows; 1,024 ranks are mostly one
+    ordered = sorted(summaries, key=_RANK)
+    medians = list(map(_MEDIANS, ordered))
+    keys = [None if m is None else m.layout for m in medians]
+    layouts: dict[int, list[int]] = {}  # layout -> rows
     others: list[int] = []  # rows without per-step medians
-    for i, s in enumerate(ordered):  # one pass: 1,024 ranks, a few us each
-        if s.step_medians is None:
-            others.append(i)
-        else:
-            layouts.setdefault(s.step_medians.layout, []).append(i)
+    if keys and keys[0] is not None and keys.count(keys[0]) == len(keys):
+        layouts[keys[0]] = list(range(len(keys)))  # the usual case: one layout, no loop
+    else:
+        for i, key in enumerate(keys):
+            if key is None:
+                others.append(i)
+            else:
+                layouts.setdefault(key, []).append(i)
     candidates = {n for rows in layouts.values() for n in ordered[rows[0]].step_medians.names}
     candidates.update(*(ordered[i].sections for i in others))
     meta = _Meta(ordered)
@@ -198,29 +204,40 @@ def fleet(summaries: Sequence[RankSummary]) -> Fleet:
         layout_names = ordered[rows[0]].step_medians.names
         src = [j for j, n in enumerate(layout_names) if n in column]
         dst = [column[layout_names[j]] for j in src]
-        block = np.stack([ordered[i].step_medians.ns for i in rows])
-        time_ns[np.ix_(rows, dst)] = block[:, src]  # NaN where a rank did not run it
+        raw = b"".join([medians[i].raw for i in rows])
+        block = np.frombuffer(raw, dtype=np.float64).reshape(len(rows), len(layout_names))
+        # NaN where a rank did not run it. Every rank (the usual case): a slice, not
+        # np.ix_ (0.48 ms at 1,024 x 50).
+        target = slice(None) if len(rows) == len(ordered) else np.array(rows)[:, None]
+        time_ns[target, dst] = block[:, src]
     for i in others:  # a window mean: no per-step times were kept
         secs, steps = ordered[i].sections, max(ordered[i].steps, 1)
         time_ns[i] = [secs[n].time_ns / steps if n in secs else nan for n in names]
-    clocks = [s.sensors for s in ordered]
-    have = any(c for c in clocks)
+    clocks = list(map(_SENSORS, ordered))
+    have = any(clocks)
     return Fleet(
-        ranks=np.array([s.rank for s in ordered], dtype=np.int64),
+        ranks=np.fromiter(map(_RANK, ordered), dtype=np.int64, count=len(ordered)),
         sections=names,
         parents=parents,
         time_ms=time_ns / 1e6,
-        steps=np.array([s.steps for s in ordered], dtype=np.float64),
-        step_ms=np.array([s.step_ns / 1e6 for s in ordered], dtype=np.float64),
+        steps=np.fromiter(map(_STEPS, ordered), dtype=np.float64, count=len(ordered)),
+        step_ms=np.fromiter(map(_STEP_NS, ordered), dtype=np.float64, count=len(ordered)) / 1e6,
         clock_min_mhz=np.array([(c or {}).get("sm_clock_min_mhz", nan) for c in clocks])
         if have
         else None,
         clock_median_mhz=np.array([(c or {}).get("sm_clock_mhz", nan) for c in clocks])
         if have
         else None,
-        hosts=[s.host for s in ordered],
-        devices=[s.device for s in ordered],
+        hosts=list(map(_HOST, ordered)),
+        devices=list(map(_DEVICE, ordered)),
     )
+
+
+# 1,024 ranks: map() over attrgetters reads a field of each in C.
+_RANK, _STEPS, _STEP_NS, _HOST, _DEVICE, _SENSORS, _MEDIANS = (
+    operator.attrgetter(f)
+    for f in ("rank", "steps", "step_ns", "host", "device", "sensors", "step_medians")
+)
 
 
 class _Meta:
