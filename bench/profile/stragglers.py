@@ -11,7 +11,8 @@ its start included).
 - read back: a synthetic run written through the run store's own ParquetSink, as the
   profiler writes it (``--reports`` reports of 10 steps; per rank and report, 50
   sections x 5 records: time_ms, calls_count, depth_count, order_count and
-  straggler_score), a shard per report, then compacted as a finished run is. Three
+  straggler_score), a shard per report, then compacted as a finished run is, and each
+  rank's placement file (host, local rank, GPU), as its Run writes it. Three
   ranks are stragglers (ground truth checked in the command's JSON). Then
   ``syncless stragglers RUN`` as a process, median of ``--repeats``.
 
@@ -43,6 +44,7 @@ from syncless.profile.stragglers import (
 from syncless.profile.summary import RankSummary, SectionTotals, StepMedians
 from syncless.run import ParquetSink, RankInfo, Run
 from syncless.run.compact import compact_run
+from syncless.run.placement import Placement, write_placement
 from syncless.run.records import StepRecords
 from syncless.run.rundir import METRICS_DIR
 
@@ -145,6 +147,9 @@ def write_run(run_dir: Path, ranks: int, reports: int, count: int) -> int:
             sink.flush()
             written += len(batch)
         sink.close()
+        # Where the rank ran, as its Run records it: the command reads the named ranks'.
+        place = Placement(rank, f"node-{rank // 8:04d}", rank % 8, 1000 + rank, f"cuda:{rank % 8}")
+        write_placement(run_dir, place)
     return written
 
 
@@ -171,7 +176,11 @@ def check(verdicts: list[dict], ranks: int, reports: int) -> list[str]:
         if r < ranks and first < reports
     }
     got = {(v["rank"], v["section"]): (v["first_step"], v["last_step"]) for v in verdicts}
-    return [] if got == want else [f"verdicts {got} != {want}"]
+    hosts = {v["rank"]: v.get("host") for v in verdicts}
+    placed = {r: f"node-{r // 8:04d}" for r in hosts}
+    return ([] if got == want else [f"verdicts {got} != {want}"]) + (
+        [] if hosts == placed else [f"hosts {hosts} != {placed}"]
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
