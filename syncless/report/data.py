@@ -22,12 +22,18 @@ from syncless.run.store import RunStore
 
 __all__ = ["Cells", "RunData", "Series", "layer_cells", "load"]
 
-# Per-layer metrics read into layer x step matrices: the heatmaps of sections_layers.
+# Per-layer metrics read into layer x step matrices: the heatmaps of sections_layers
+# (its HEATMAPS name these; tests/report/test_html.py keeps the two lists equal).
 LAYER_METRICS = (
     "attn_qk_logit_max",
     "attn_entropy_nats",
     "act_absmax",
+    "act_rms",
+    "act_kurtosis",
     "nonfinite_count",
+    "grad_out_rms",
+    "grad_out_absmax",
+    "grad_out_nonfinite_count",
     "grad_norm",
     "update_ratio",
     "moe_imbalance",

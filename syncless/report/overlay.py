@@ -44,10 +44,9 @@ POINTS = 600_000
 CELLS = 1_000_000
 #: Fewest buckets a chart or heatmap gets, however many runs and metrics.
 MIN_COLUMNS = 50
-# Per-layer monitors drawn as heatmaps: the single-run report's, and the RMS and
-# kurtosis of the outputs and their gradients (issue #46). Lower is worse for entropy.
-LAYER_MAPS = (*(h.metric for h in HEATMAPS), "act_rms", "act_kurtosis", "grad_out_rms",
-              "grad_out_absmax", "grad_out_nonfinite_count")  # fmt: skip
+# Per-layer monitors drawn as heatmaps: the single-run report's. Lower is worse for
+# entropy.
+LAYER_MAPS = tuple(h.metric for h in HEATMAPS)
 FIRST = ("loss", "lr", "step_ms", "tokens_per_s", "mfu_frac", "grad_norm")
 
 

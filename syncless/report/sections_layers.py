@@ -26,7 +26,13 @@ HEATMAPS = (
     Heatmap("attn_qk_logit_max", "Attention QK logit max", "max", "attention"),
     Heatmap("attn_entropy_nats", "Attention entropy (nats)", "min", "attention"),
     Heatmap("act_absmax", "Activation max |x|", "max", "activations"),
+    Heatmap("act_rms", "Activation RMS", "max", "activations"),
+    # Heavy tails grow before a massive activation does (a kurtosis of 0 is Gaussian).
+    Heatmap("act_kurtosis", "Activation excess kurtosis", "max", "activations"),
     Heatmap("nonfinite_count", "Nonfinite values", "max", "activations"),
+    Heatmap("grad_out_rms", "Output gradient RMS", "max", "optimizer"),
+    Heatmap("grad_out_absmax", "Output gradient max |g|", "max", "optimizer"),
+    Heatmap("grad_out_nonfinite_count", "Nonfinite output gradients", "max", "optimizer"),
     Heatmap("grad_norm", "Gradient norm", "max", "optimizer"),
     Heatmap("update_ratio", "Update / parameter norm", "max", "optimizer"),
     Heatmap("moe_imbalance", "Expert imbalance (max / mean load)", "max", "experts"),

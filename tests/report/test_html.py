@@ -25,6 +25,11 @@ def logit(rank: int, layer: int, step: int) -> float:
     return 1.0 + 0.1 * layer + 0.01 * step + 0.001 * rank + spike
 
 
+def grad_rms(rank: int, layer: int, step: int) -> float:
+    """Output-gradient RMS: rank 0's layer 2 grows from step 4 on (its worst cell)."""
+    return 0.5 + 0.01 * layer + 0.001 * rank + (3.0 if (rank, layer) == (0, 2) and step >= 4 else 0)
+
+
 def records(rank: int, steps: range) -> list[StepRecord]:
     out = []
 
@@ -46,6 +51,7 @@ def records(rank: int, steps: range) -> list[StepRecord]:
         add(step, "monitors/self/hook_host_ms", 0.5)
         for layer in range(LAYERS):
             add(step, f"monitors/layer_{layer:02d}/attn_qk_logit_max", logit(rank, layer, step))
+            add(step, f"monitors/layer_{layer:02d}/grad_out_rms", grad_rms(rank, layer, step))
             for head in range(HEADS):  # head 3 of layer 0 is worst at the last step
                 worst = 7.0 if (layer, head, step) == (0, 3, steps[-1]) else 0.0
                 add(
@@ -102,6 +108,22 @@ def test_layer_heatmap_holds_the_worst_rank_per_layer_and_step(two_ranks):
     assert worst_text(two_ranks, "layers-attn_qk_logit_max").startswith(
         "highest: layer 1 at step 3 (10.13)"
     )
+
+
+def test_gradient_and_activation_moments_have_heatmaps(two_ranks):
+    (trace,) = figure_data(two_ranks, "layers-grad_out_rms")
+    expected = [[max(grad_rms(r, layer, s) for r in (0, 1)) for s in range(STEPS)]
+                for layer in range(LAYERS)]  # fmt: skip
+    np.testing.assert_allclose(array(trace["z"]), np.array(expected))
+    assert worst_text(two_ranks, "layers-grad_out_rms").startswith("highest: layer 2 at step 4")
+    assert "layers-act_kurtosis" not in two_ranks  # not recorded: no empty map
+
+
+def test_every_heatmap_metric_is_read():
+    from syncless.report.data import LAYER_METRICS
+    from syncless.report.sections_layers import HEATMAPS
+
+    assert sorted(LAYER_METRICS) == sorted(h.metric for h in HEATMAPS)
 
 
 def test_head_and_expert_grids_name_the_worst_one(two_ranks):
