@@ -334,7 +334,7 @@ class RunStore:
             self._allowed.issuperset(p for _, p in f) for f in files.values()
         ):
             self._connect({p for table_files in files.values() for _, p in table_files})
-        self._update_views(files)
+        self._update_views()
         return new
 
     def _view_files(self) -> dict[str, list[tuple[str, str]]]:
@@ -351,12 +351,11 @@ class RunStore:
                     rolled.append((shard.run, self._real(rollup)))
         return {**files, "metrics_rollups": rolled, "metrics_unrolled": unrolled}
 
-    def _update_views(self, every: dict[str, list[tuple[str, str]]] | None = None) -> None:
+    def _update_views(self) -> None:
         """Point each view whose files changed at its files now (planned again for
         each: a view that meets an unreadable file leaves it out of every view)."""
-        every = self._view_files() if every is None else every
         for view in (*TABLES, *ROLLUP_VIEWS):
-            files = every[view]
+            files = self._view_files()[view]
             if self._views.get(view) != files:
                 self._view(view, files)
 
