@@ -355,6 +355,8 @@ class RunStore:
         """Point each view whose files changed at its files now (planned again for
         each: a view that meets an unreadable file leaves it out of every view)."""
         for view in (*TABLES, *ROLLUP_VIEWS):
+            # Listed again for each view, not once: making a view may find a shard
+            # unreadable, and the views after it must leave that shard out too.
             files = self._view_files()[view]
             if self._views.get(view) != files:
                 self._view(view, files)
