@@ -6,7 +6,8 @@
 # no network): the wheels bench/stacks/cuda_graphs.py's docstring lists, unpacked into
 # .wheels/site (git-ignored), e.g.
 #   pip download --no-deps --python-version 3.12 --only-binary=:all: -d .wheels \
-#       torchtitan==0.3.0 tyro==1.0.17 docstring_parser==0.18.0 spmd_types==0.2.3 typeguard==4.6.1
+#       torchtitan==0.3.0 tyro==1.0.17 docstring_parser==0.18.0 spmd_types==0.2.3 typeguard==4.6.1 \
+#       nvidia-ml-py   # NVML for the straggler test's GPU sensors (syncless[gpu])
 #   for w in .wheels/*.whl; do python -m zipfile -e "$w" .wheels/site; done
 #   pip download --no-deps --python-version 3.12 --only-binary=:all: \
 #       --platform manylinux_2_27_x86_64 -d .wheels duckdb==2.0.1   # installed, not unpacked
@@ -33,7 +34,7 @@ for f in ${TESTS:-tests/monitors/test_graphs_cuda.py tests/integrations/test_tor
   tests/profile/test_graph_sections_cuda.py tests/profile/test_profile_cuda.py \
   tests/kernels/test_kernels_cuda.py tests/kernels/test_alarm_kernels_cuda.py tests/metrics/test_metric_set_cuda.py \
   tests/monitors/test_budget.py tests/monitors/test_nonfinite_alarm.py \
-  tests/capture/test_engine_cuda.py tests/guard/test_cuda.py}; do
+  tests/capture/test_engine_cuda.py tests/guard/test_cuda.py tests/profile/test_stragglers_cuda.py}; do
   [ -e "$f" ] && files="$files $f"
 done
 # shellcheck disable=SC2086
