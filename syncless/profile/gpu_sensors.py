@@ -11,7 +11,6 @@ without sensors.
 from __future__ import annotations
 
 import logging
-import socket
 import statistics
 import threading
 import time
@@ -19,9 +18,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-from syncless.run.dist import gpu_label
-
-__all__ = ["GpuSensors", "Sample", "SensorSummary", "location"]
+__all__ = ["GpuSensors", "Sample", "SensorSummary"]
 
 log = logging.getLogger(__name__)
 
@@ -168,17 +165,3 @@ def _handle(nvml: Any, device: int) -> Any:
         return nvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
     except Exception:
         return nvml.nvmlDeviceGetHandleByIndex(device)
-
-
-def location(cuda: bool) -> tuple[str, str]:
-    """(host name, GPU) of this process: the GPU as ``cuda:<index> <PCI bus id>``
-    (syncless.run.dist.gpu_label); "" on the CPU."""
-    host = socket.gethostname()
-    if not cuda:
-        return host, ""
-    try:
-        import torch
-
-        return host, gpu_label(torch.cuda.current_device())
-    except Exception:  # a location is a label: never fail the profiler over it
-        return host, ""

@@ -30,7 +30,7 @@ from syncless.profile import report as _report
 from syncless.profile import stragglers as _stragglers
 from syncless.profile import summary as _summary
 from syncless.profile.calibrate import Calibration, calibrate
-from syncless.profile.gpu_sensors import GpuSensors, location
+from syncless.profile.gpu_sensors import GpuSensors
 from syncless.profile.graph_sections import UNTIMED_RECORD, GraphSections
 from syncless.profile.module_hooks import ModuleHandle
 from syncless.profile.spans import ProfileMisuse, Span, SpanRecorder
@@ -38,6 +38,7 @@ from syncless.profile.stragglers import StepTimes, StragglerConfig, StragglerDet
 from syncless.profile.table import DISTORTION, graph_notes, render
 from syncless.profile.timers import Timer, make_timer
 from syncless.run.console import print_wide
+from syncless.run.dist import location
 
 # ModuleHandle and ProfileMisuse are defined next door; importable from here too.
 __all__ = ["MODES", "ModuleHandle", "ProfileMisuse", "Profiler"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -30,12 +31,21 @@ def rank_info() -> RankInfo:
     )
 
 
-def gpu_label(index: int) -> str:
-    """CUDA device ``index`` as ``cuda:<index> <PCI bus id>``, the id nvidia-smi and
-    NVML print (``cuda:3 0000:3b:00.0``); ``cuda:<index>`` where torch lacks it."""
-    props = torch.cuda.get_device_properties(index)
+def location(cuda: bool) -> tuple[str, str]:
+    """(host name, GPU) of this process. The GPU is the current CUDA device as
+    ``cuda:<index> <PCI bus id>``, the id nvidia-smi and NVML print
+    (``cuda:3 0000:3b:00.0``), ``cuda:<index>`` where torch lacks the bus id, and ""
+    without ``cuda`` or where torch cannot say: a label never fails its caller."""
+    host = socket.gethostname()
+    if not cuda:
+        return host, ""
+    try:
+        index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+    except Exception:
+        return host, ""
     bus = getattr(props, "pci_bus_id", None)
     if bus is None:
-        return f"cuda:{index}"
+        return host, f"cuda:{index}"
     domain, slot = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", 0)
-    return f"cuda:{index} {domain:04x}:{bus:02x}:{slot:02x}.0"
+    return host, f"cuda:{index} {domain:04x}:{bus:02x}:{slot:02x}.0"

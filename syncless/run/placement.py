@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -47,17 +46,12 @@ class Placement:
 def here(info: RankInfo) -> Placement:
     """This process's placement. Its GPU only where CUDA is initialized already: a
     run opened before the model moved to the GPU must not create a CUDA context."""
-    gpu = ""
-    try:
-        import torch
+    import torch
 
-        from syncless.run.dist import gpu_label
+    from syncless.run.dist import location
 
-        if torch.cuda.is_initialized():
-            gpu = gpu_label(torch.cuda.current_device())
-    except Exception:  # a label: never fail a run's start over it
-        gpu = ""
-    return Placement(info.rank, socket.gethostname(), info.local_rank, os.getpid(), gpu)
+    host, gpu = location(torch.cuda.is_initialized())
+    return Placement(info.rank, host, info.local_rank, os.getpid(), gpu)
 
 
 def write_placement(run_dir: RunPath, placement: Placement) -> None:
